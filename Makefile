@@ -1,0 +1,25 @@
+# The README's two commands: `make demo` and `make test`. Each creates .venv if needed.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-all bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m moejax.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs
