@@ -1,0 +1,90 @@
+"""Command line: moejax train | eval | generate  (see `moejax -h`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moejax.checkpoint import CheckpointMismatchError
+from moejax.config import ConfigError
+
+
+def _cmd_train(args) -> int:
+  from moejax.config import load_config
+  from moejax.train import train
+  cfg = load_config(args.config, args.overrides)
+  summary = train(cfg)
+  print(json.dumps({k: v for k, v in summary.items() if k != "plots"}, indent=2))
+  print("plots:", *summary["plots"], sep="\n  ")
+  return 0
+
+
+def _cmd_eval(args) -> int:
+  import jax
+  from moejax.evaluate import evaluate
+  from moejax.generate import load_trained
+  from moejax.run_io import load_data
+  from moejax.state import make_eval_step
+  from pathlib import Path
+  tm = load_trained(args.run_dir, args.overrides)
+  data = load_data(tm.cfg, Path(args.run_dir))
+  d = tm.cfg.data
+  result = evaluate(jax.jit(make_eval_step(tm.cfg, tm.graphdef)), tm.params, tm.buffers, data,
+                    d.batch_size, d.seq_len, args.max_batches)
+  print(json.dumps({"step": tm.step, **result}, indent=2))
+  return 0
+
+
+def _cmd_generate(args) -> int:
+  from moejax.generate import cache_nbytes, generate, load_trained
+  tm = load_trained(args.run_dir)
+  ids = tm.tokenizer.encode(args.prompt)[None]
+  out, caches = generate(tm, ids, args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, seed=args.seed)
+  print(tm.tokenizer.decode(out[0]))
+  print(f"\n[kv cache: {cache_nbytes(caches):,} bytes]", file=sys.stderr)
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="moejax", description="Mixture-of-Experts LMs in JAX/Pallas")
+  sub = p.add_subparsers(dest="command", required=True)
+
+  t = sub.add_parser("train", help="train from a YAML config (resumes if checkpoints exist)")
+  t.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
+  t.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.steps=100")
+  t.set_defaults(fn=_cmd_train)
+
+  e = sub.add_parser("eval", help="validation loss / perplexity / bits per byte of a run")
+  e.add_argument("run_dir", help="the train.out_dir of a run")
+  e.add_argument("overrides", nargs="*", help="e.g. moe.expert_impl=dense")
+  e.add_argument("--max-batches", type=int, default=None)
+  e.set_defaults(fn=_cmd_eval)
+
+  g = sub.add_parser("generate", help="sample text from a run with a KV cache")
+  g.add_argument("run_dir")
+  g.add_argument("--prompt", required=True)
+  g.add_argument("--max-new-tokens", type=int, default=200)
+  g.add_argument("--temperature", type=float, default=0.8)
+  g.add_argument("--top-k", type=int, default=40)
+  g.add_argument("--seed", type=int, default=0)
+  g.set_defaults(fn=_cmd_generate)
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    return args.fn(args)
+  except (ConfigError, CheckpointMismatchError, FileNotFoundError, ValueError) as err:
+    print(f"moejax {args.command}: error: {err}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    return 130
+  except RuntimeError as err:  # e.g. NonFiniteLossError
+    print(f"moejax {args.command}: {err}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,341 @@
+"""Configuration schema: frozen dataclasses, loaded from YAML, overridden by `key.sub=value`.
+
+The dataclasses below are the schema and the single place where defaults live. YAML
+files under configs/ are data; unknown keys are errors that name the key and
+suggest the closest known one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+  """A config value or key that cannot be used; the message says which."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 256
+  d_model: int = 128
+  num_layers: int = 4
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 32
+  ffn_hidden: int = 512          # hidden size of dense (non-MoE) SwiGLU layers
+  max_seq_len: int = 256
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = True
+  dtype: str = "float32"         # compute dtype: float32 | bfloat16
+  param_dtype: str = "float32"   # parameter storage dtype
+  init_std: float = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  num_experts: int = 8
+  top_k: int = 2
+  expert_hidden: int = 256
+  num_shared_experts: int = 0
+  shared_expert_hidden: int = 0  # 0: same as expert_hidden
+  first_dense_layers: int = 0    # the first N layers use a dense FFN
+  moe_every: int = 1             # after those, every N-th layer is MoE (others dense)
+  routing: str = "softmax_topk"  # softmax_topk (Mixtral) | topk_softmax | top_p
+  renormalize: bool = True       # renormalize the selected weights to sum to 1
+  top_p: float = 0.9             # top_p routing: take experts until cumulative prob >= p ...
+  max_k: int = 4                 # ... capped at max_k experts
+  capacity_factor: float = 0.0   # 0: dropless; >0: capacity = ceil(cf * tokens * k / E)
+  expert_impl: str = "ragged"    # dense | ragged | blocked | gmm
+  aux_loss_coef: float = 0.01    # Switch load-balancing loss
+  z_loss_coef: float = 0.001     # router z-loss
+  bias_balancing: bool = False   # DeepSeek-V3 auxiliary-loss-free bias (selection only)
+  bias_update_rate: float = 0.001
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  corpus: str = "shakespeare"    # shakespeare | files
+  files: tuple[str, ...] = ()    # globs of training text files (corpus: files)
+  val_files: tuple[str, ...] = ()  # globs of validation files; empty: split off val_fraction
+  val_fraction: float = 0.1
+  tokenizer: str = "byte"        # byte | bpe
+  bpe_vocab_size: int = 2048
+  seq_len: int = 128
+  batch_size: int = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 1000
+  lr: float = 3e-3
+  min_lr_ratio: float = 0.1
+  warmup_steps: int = 50
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  grad_clip: float = 1.0
+  seed: int = 0
+  log_every: int = 10
+  eval_every: int = 200
+  eval_batches: int = 8
+  checkpoint_every: int = 200
+  keep_checkpoints: int = 3
+  out_dir: str = "runs/tiny"
+  tensorboard: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheConfig:
+  bits: int = 16                 # 16: bf16 cache; 2 | 3 | 4 | 8: quantized
+  group_size: int = 32
+  outlier_fraction: float = 0.0
+  residual_window: int = 32
+  sink_tokens: int = 0
+  key_axis: str = "channel"      # keys: per-channel statistics over G tokens (KIVI)
+  value_axis: str = "token"      # values: per-token statistics over G channels
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = -1                 # -1: all remaining devices
+  expert: int = 1
+  model: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = ModelConfig()
+  moe: MoEConfig = MoEConfig()
+  data: DataConfig = DataConfig()
+  train: TrainConfig = TrainConfig()
+  kv_cache: KVCacheConfig = KVCacheConfig()
+  mesh: MeshConfig = MeshConfig()
+
+  def to_dict(self) -> dict[str, Any]:
+    return _to_plain(dataclasses.asdict(self))
+
+
+# ---------------------------------------------------------------- loading ---
+
+def _to_plain(obj):
+  if isinstance(obj, dict):
+    return {k: _to_plain(v) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [_to_plain(v) for v in obj]
+  return obj
+
+
+def _suggest(key: str, known: list[str]) -> str:
+  close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+  return f" (did you mean '{close[0]}'?)" if close else f" (known keys: {', '.join(sorted(known))})"
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+  """Converts a YAML/CLI value to the field's declared type, or raises ConfigError."""
+  origin = typing.get_origin(tp)
+  if origin is tuple:
+    if isinstance(value, str):
+      value = [v for v in value.split(",") if v]
+    if not isinstance(value, (list, tuple)):
+      raise ConfigError(f"{where}: expected a list, got {value!r}")
+    (item_tp, _) = typing.get_args(tp)
+    return tuple(_coerce(v, item_tp, where) for v in value)
+  if tp is bool:
+    if isinstance(value, bool):
+      return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+      return value.lower() in ("true", "1", "yes")
+    raise ConfigError(f"{where}: expected true/false, got {value!r}")
+  if tp is int:
+    if isinstance(value, bool):
+      raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    try:
+      f = float(value)
+    except (TypeError, ValueError):
+      raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if not f.is_integer():
+      raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    return int(f)
+  if tp is float:
+    try:
+      return float(value)
+    except (TypeError, ValueError):
+      raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+  if tp is str:
+    if isinstance(value, (dict, list)):
+      raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return str(value)
+  raise ConfigError(f"{where}: unsupported type {tp}")
+
+
+def _build(cls, data: dict[str, Any], where: str):
+  if not isinstance(data, dict):
+    raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
+  hints = typing.get_type_hints(cls)
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  kwargs = {}
+  for key, value in data.items():
+    path = f"{where}.{key}" if where else key
+    if key not in fields:
+      raise ConfigError(f"unknown config key '{path}'{_suggest(key, list(fields))}")
+    tp = hints[key]
+    if dataclasses.is_dataclass(tp):
+      kwargs[key] = _build(tp, value or {}, path)
+    else:
+      kwargs[key] = _coerce(value, tp, path)
+  return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+  parts = dotted.split(".")
+  node = tree
+  for p in parts[:-1]:
+    node = node.setdefault(p, {})
+    if not isinstance(node, dict):
+      raise ConfigError(f"override '{dotted}': '{p}' is not a section")
+  node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+  """['moe.top_k=4', 'train.steps=10'] -> nested dict; values parsed as YAML scalars."""
+  tree: dict[str, Any] = {}
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"override '{item}' must look like key.sub=value")
+    key, raw = item.split("=", 1)
+    _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw else "")
+  return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+  out = dict(base)
+  for k, v in extra.items():
+    out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+  return out
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+  cfg = _build(Config, data or {}, "")
+  validate(cfg)
+  return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+  """Reads a YAML config (or the defaults when path is None) and applies overrides."""
+  data: dict[str, Any] = {}
+  if path is not None:
+    path = Path(path)
+    if not path.is_file():
+      raise ConfigError(f"config file not found: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+  if overrides:
+    data = _merge(data, parse_overrides(overrides))
+  return from_dict(data)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+  Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+# ------------------------------------------------------------- validation ---
+
+_CHOICES = {
+    "model.dtype": ("float32", "bfloat16"),
+    "model.param_dtype": ("float32", "bfloat16"),
+    "moe.routing": ("softmax_topk", "topk_softmax", "top_p"),
+    "moe.expert_impl": ("dense", "ragged", "blocked", "gmm"),
+    "data.corpus": ("shakespeare", "files"),
+    "data.tokenizer": ("byte", "bpe"),
+    "kv_cache.key_axis": ("channel", "token"),
+    "kv_cache.value_axis": ("channel", "token"),
+}
+
+
+def validate(cfg: Config) -> None:
+  """Raises ConfigError naming the first impossible setting."""
+  m, e, d, t, kv = cfg.model, cfg.moe, cfg.data, cfg.train, cfg.kv_cache
+  for section, obj in (("model", m), ("moe", e), ("data", d), ("train", t), ("kv_cache", kv)):
+    for f in dataclasses.fields(obj):
+      choice = _CHOICES.get(f"{section}.{f.name}")
+      value = getattr(obj, f.name)
+      if choice and value not in choice:
+        raise ConfigError(f"{section}.{f.name}={value!r}: must be one of {', '.join(choice)}")
+  positive = {
+      "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.num_layers": m.num_layers,
+      "model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads,
+      "model.head_dim": m.head_dim, "model.ffn_hidden": m.ffn_hidden,
+      "model.max_seq_len": m.max_seq_len, "moe.num_experts": e.num_experts, "moe.top_k": e.top_k,
+      "moe.expert_hidden": e.expert_hidden, "moe.moe_every": e.moe_every, "moe.max_k": e.max_k,
+      "data.seq_len": d.seq_len, "data.batch_size": d.batch_size, "train.steps": t.steps,
+      "train.log_every": t.log_every, "train.eval_every": t.eval_every,
+      "train.checkpoint_every": t.checkpoint_every, "train.keep_checkpoints": t.keep_checkpoints,
+      "kv_cache.group_size": kv.group_size,
+  }
+  for name, value in positive.items():
+    if value <= 0:
+      raise ConfigError(f"{name}={value}: must be positive")
+  if m.num_heads % m.num_kv_heads:
+    raise ConfigError(
+        f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
+  if m.head_dim % 2:
+    raise ConfigError(f"model.head_dim={m.head_dim} must be even (rotary embeddings rotate pairs)")
+  if e.top_k > e.num_experts:
+    raise ConfigError(f"moe.top_k={e.top_k} exceeds moe.num_experts={e.num_experts}")
+  if e.routing == "top_p" and not (0.0 < e.top_p <= 1.0):
+    raise ConfigError(f"moe.top_p={e.top_p}: must be in (0, 1]")
+  if e.routing == "top_p" and e.max_k > e.num_experts:
+    raise ConfigError(f"moe.max_k={e.max_k} exceeds moe.num_experts={e.num_experts}")
+  for name, value in (("moe.num_shared_experts", e.num_shared_experts),
+                      ("moe.shared_expert_hidden", e.shared_expert_hidden),
+                      ("moe.first_dense_layers", e.first_dense_layers),
+                      ("moe.capacity_factor", e.capacity_factor),
+                      ("moe.aux_loss_coef", e.aux_loss_coef), ("moe.z_loss_coef", e.z_loss_coef),
+                      ("train.warmup_steps", t.warmup_steps), ("train.weight_decay", t.weight_decay),
+                      ("train.grad_clip", t.grad_clip), ("kv_cache.residual_window", kv.residual_window),
+                      ("kv_cache.sink_tokens", kv.sink_tokens)):
+    if value < 0:
+      raise ConfigError(f"{name}={value}: must be >= 0")
+  if d.seq_len > m.max_seq_len:
+    raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+  if d.tokenizer == "byte" and m.vocab_size < 256:
+    raise ConfigError(f"model.vocab_size={m.vocab_size}: the byte tokenizer needs at least 256")
+  if d.tokenizer == "bpe" and d.bpe_vocab_size > m.vocab_size:
+    raise ConfigError(
+        f"data.bpe_vocab_size={d.bpe_vocab_size} exceeds model.vocab_size={m.vocab_size}")
+  if d.corpus == "files" and not d.files:
+    raise ConfigError("data.corpus=files needs data.files (a list of globs)")
+  if not (0.0 < d.val_fraction < 1.0):
+    raise ConfigError(f"data.val_fraction={d.val_fraction}: must be in (0, 1)")
+  if not (0.0 < t.min_lr_ratio <= 1.0) or t.lr <= 0:
+    raise ConfigError(f"train.lr={t.lr} / train.min_lr_ratio={t.min_lr_ratio}: lr > 0, ratio in (0, 1]")
+  if kv.bits not in (2, 3, 4, 8, 16):
+    raise ConfigError(f"kv_cache.bits={kv.bits}: must be one of 2, 3, 4, 8, 16")
+  if not (0.0 <= kv.outlier_fraction < 1.0):
+    raise ConfigError(f"kv_cache.outlier_fraction={kv.outlier_fraction}: must be in [0, 1)")
+  for name, value in (("mesh.data", cfg.mesh.data), ("mesh.expert", cfg.mesh.expert),
+                      ("mesh.model", cfg.mesh.model)):
+    if value == 0 or value < -1:
+      raise ConfigError(f"{name}={value}: must be positive or -1 (all remaining devices)")
+  if cfg.mesh.expert > 0 and e.num_experts % cfg.mesh.expert:
+    raise ConfigError(
+        f"mesh.expert={cfg.mesh.expert} does not divide moe.num_experts={e.num_experts}")
+
+
+def is_moe_layer(cfg: Config, layer: int) -> bool:
+  """Layer i is MoE when past first_dense_layers and on the moe_every stride."""
+  e = cfg.moe
+  return layer >= e.first_dense_layers and (layer - e.first_dense_layers) % e.moe_every == 0
+
+
+def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+  """Slots per expert. Dropless (cf=0): every token could pick one expert, so T slots."""
+  if capacity_factor <= 0:
+    return num_tokens
+  return max(1, min(num_tokens, math.ceil(capacity_factor * num_tokens * top_k / num_experts)))

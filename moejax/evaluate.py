@@ -1,0 +1,29 @@
+"""Validation loss, perplexity and bits per byte of a model on held-out text."""
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from moejax.data import TokenDataset, val_batches
+
+
+def evaluate(eval_step, params, buffers, data: TokenDataset, batch_size: int, seq_len: int,
+             max_batches: int | None = None) -> dict[str, float]:
+  """eval_step(params, buffers, inputs, targets) -> (sum_nll_nats, count).
+
+  bits per byte counts the UTF-8 bytes of exactly the target tokens scored.
+  """
+  total_nll, total_tokens, total_bytes = 0.0, 0, 0
+  for inputs, targets in val_batches(data.val, batch_size, seq_len, max_batches,
+                                     drop_remainder=True):
+    nll, count = eval_step(params, buffers, inputs, targets)
+    total_nll += float(nll)
+    total_tokens += int(count)
+    total_bytes += int(data.tokenizer.byte_count(targets))
+  if total_tokens == 0:
+    raise ValueError(f"validation split too small for one batch of {batch_size}x{seq_len} tokens")
+  loss = total_nll / total_tokens
+  return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
+          "val_bpb": total_nll / math.log(2) / max(total_bytes, 1), "val_tokens": total_tokens}

@@ -1,0 +1,70 @@
+"""Mixture-of-Experts feed-forward layer: float32 router, routed SwiGLU experts, optional
+shared experts, load-balancing statistics."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.config import MoEConfig, capacity as capacity_for
+from moejax.model import routing
+from moejax.model.experts import expert_ffn
+from moejax.model.layers import SwiGLU, normal_init
+
+
+class RouterBias(nnx.Variable):
+  """Per-expert selection bias for aux-loss-free balancing; updated outside the optimizer."""
+
+
+class MoE(nnx.Module):
+  def __init__(self, d_model: int, cfg: MoEConfig, *, rngs: nnx.Rngs, std: float, dtype,
+               param_dtype):
+    E, F = cfg.num_experts, cfg.expert_hidden
+    init = normal_init(std)
+    self.cfg = cfg
+    self.router_DE = nnx.Param(init(rngs.params(), (d_model, E), jnp.float32))
+    self.w_gate_EDF = nnx.Param(init(rngs.params(), (E, d_model, F), param_dtype))
+    self.w_up_EDF = nnx.Param(init(rngs.params(), (E, d_model, F), param_dtype))
+    self.w_down_EFD = nnx.Param(init(rngs.params(), (E, F, d_model), param_dtype))
+    self.bias_E = RouterBias(jnp.zeros((E,), jnp.float32)) if cfg.bias_balancing else None
+    shared_hidden = (cfg.shared_expert_hidden or F) * cfg.num_shared_experts
+    self.shared = SwiGLU(d_model, shared_hidden, rngs=rngs, std=std, dtype=dtype,
+                         param_dtype=param_dtype) if cfg.num_shared_experts else None
+    self.dtype = dtype
+
+  def route(self, x_TD) -> routing.Routing:
+    cfg = self.cfg
+    logits_TE = x_TD.astype(jnp.float32) @ self.router_DE[...]
+    T = x_TD.shape[0]
+    cap = capacity_for(T, cfg.top_k if cfg.routing != "top_p" else cfg.max_k, cfg.num_experts,
+                       cfg.capacity_factor) if cfg.capacity_factor > 0 else None
+    return routing.route(logits_TE, mode=cfg.routing, top_k=cfg.top_k, renormalize=cfg.renormalize,
+                         top_p=cfg.top_p, max_k=cfg.max_k,
+                         bias_E=None if self.bias_E is None else self.bias_E[...], capacity=cap)
+
+  def experts(self, x_TD, r: routing.Routing):
+    c = lambda p: p[...].astype(self.dtype)
+    cap = x_TD.shape[0] if self.cfg.capacity_factor <= 0 else capacity_for(
+        x_TD.shape[0], r.expert_TK.shape[1], self.cfg.num_experts, self.cfg.capacity_factor)
+    return expert_ffn(self.cfg.expert_impl, x_TD, r.expert_TK, r.weight_TK, r.keep_TK,
+                      c(self.w_gate_EDF), c(self.w_up_EDF), c(self.w_down_EFD), capacity=cap)
+
+  def __call__(self, x_BTD):
+    """Returns (y_BTD, stats): stats holds aux losses and per-expert load counts."""
+    B, T, D = x_BTD.shape
+    x_TD = x_BTD.reshape(B * T, D)
+    r = self.route(x_TD)
+    y_TD = self.experts(x_TD, r)
+    if self.shared is not None:
+      y_TD = y_TD + self.shared(x_TD)
+    E = self.cfg.num_experts
+    selected = r.selected_TK.sum()
+    stats = {
+        "aux_loss": routing.load_balancing_loss(r.probs_TE, r.expert_TK, r.selected_TK),
+        "z_loss": routing.router_z_loss(r.logits_TE),
+        "load_E": routing.expert_counts(r.expert_TK, r.keep_TK, E),      # after capacity
+        "routed_E": routing.expert_counts(r.expert_TK, r.selected_TK, E),  # before capacity
+        "dropped_frac": 1.0 - r.keep_TK.sum() / jnp.maximum(selected, 1),
+        "experts_per_token": selected / (B * T),
+    }
+    return y_TD.reshape(B, T, D).astype(x_BTD.dtype), stats

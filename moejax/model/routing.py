@@ -1,0 +1,107 @@
+"""Router math, pure jnp: token -> expert choice, combine weights, capacity, aux losses.
+
+Shapes: T tokens, E experts, K slots per token (top_k, or max_k for top-p routing).
+Everything here runs in float32.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Routing(NamedTuple):
+  expert_TK: jax.Array    # int32 expert index per slot
+  weight_TK: jax.Array    # float32 combine weight per slot (0 where not used)
+  keep_TK: jax.Array      # bool: slot selected and not dropped by capacity
+  probs_TE: jax.Array     # float32 full softmax over experts (for the aux loss)
+  logits_TE: jax.Array    # float32 router logits (for the z-loss)
+  selected_TK: jax.Array  # bool: slot selected by the router (before capacity)
+
+
+def route(logits_TE: jax.Array, *, mode: str, top_k: int, renormalize: bool,
+          top_p: float = 1.0, max_k: int = 1, bias_E: jax.Array | None = None,
+          capacity: int | None = None) -> Routing:
+  """Chooses experts per token.
+
+  mode: 'softmax_topk' (softmax over all E, keep the top k; Mixtral),
+        'topk_softmax' (top k logits, softmax over those k),
+        'top_p' (softmax; take experts by descending prob until cumulative >= top_p, <= max_k).
+  bias_E: auxiliary-loss-free balancing bias, added for *selection only*; the weights come
+    from the unbiased probabilities.
+  capacity: slots per expert; assignments beyond it are dropped (top-1 choices get
+    priority over top-2 choices, earlier tokens over later ones). None: dropless.
+  """
+  logits_TE = logits_TE.astype(jnp.float32)
+  probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+  select_scores = logits_TE if mode == "topk_softmax" else probs_TE
+  if bias_E is not None:
+    select_scores = select_scores + bias_E.astype(jnp.float32)
+  k = max_k if mode == "top_p" else top_k
+  _, expert_TK = jax.lax.top_k(select_scores, k)
+  expert_TK = expert_TK.astype(jnp.int32)
+  chosen_probs_TK = jnp.take_along_axis(probs_TE, expert_TK, axis=-1)
+
+  if mode == "topk_softmax":
+    chosen_logits_TK = jnp.take_along_axis(logits_TE, expert_TK, axis=-1)
+    weight_TK = jax.nn.softmax(chosen_logits_TK, axis=-1)
+    selected_TK = jnp.ones_like(expert_TK, dtype=bool)
+  elif mode == "softmax_topk":
+    weight_TK = chosen_probs_TK
+    selected_TK = jnp.ones_like(expert_TK, dtype=bool)
+  elif mode == "top_p":
+    # Slot j is used when the mass of the slots before it is still < p: so the first slot
+    # always is, and the token stops as soon as it has reached p.
+    mass_before_TK = jnp.cumsum(chosen_probs_TK, axis=-1) - chosen_probs_TK
+    selected_TK = mass_before_TK < top_p
+    weight_TK = jnp.where(selected_TK, chosen_probs_TK, 0.0)
+  else:
+    raise ValueError(f"unknown routing mode {mode!r}")
+  if renormalize and mode != "topk_softmax":
+    weight_TK = weight_TK / jnp.maximum(weight_TK.sum(-1, keepdims=True), 1e-9)
+
+  keep_TK = selected_TK
+  if capacity is not None:
+    keep_TK = selected_TK & (position_in_expert(expert_TK, selected_TK, probs_TE.shape[-1])
+                             < capacity)
+  weight_TK = jnp.where(keep_TK, weight_TK, 0.0)
+  return Routing(expert_TK, weight_TK, keep_TK, probs_TE, logits_TE, selected_TK)
+
+
+def position_in_expert(expert_TK: jax.Array, selected_TK: jax.Array, num_experts: int) -> jax.Array:
+  """Arrival order of each (token, slot) at its expert, slot-major: [T, K] int32."""
+  T, K = expert_TK.shape
+  onehot_KTE = jax.nn.one_hot(expert_TK.T, num_experts, dtype=jnp.int32) * selected_TK.T[..., None]
+  flat = onehot_KTE.reshape(K * T, num_experts)
+  pos = jnp.cumsum(flat, axis=0) - flat                       # tokens before this one
+  pos_KT = jnp.sum(pos * flat, axis=-1).reshape(K, T)
+  return pos_KT.T.astype(jnp.int32)
+
+
+def expert_counts(expert_TK: jax.Array, mask_TK: jax.Array, num_experts: int) -> jax.Array:
+  """Number of (token, slot) assignments per expert: [E] float32."""
+  onehot = jax.nn.one_hot(expert_TK, num_experts, dtype=jnp.float32) * mask_TK[..., None]
+  return onehot.sum(axis=(0, 1))
+
+
+def load_balancing_loss(probs_TE: jax.Array, expert_TK: jax.Array, selected_TK: jax.Array) -> jax.Array:
+  """Switch loss E * sum_e f_e * P_e: f_e = share of assignments, P_e = mean probability.
+
+  Equals 1.0 for a perfectly uniform router; grows as the load concentrates.
+  """
+  E = probs_TE.shape[-1]
+  counts_E = expert_counts(expert_TK, selected_TK, E)
+  f_E = counts_E / jnp.maximum(counts_E.sum(), 1.0)
+  P_E = probs_TE.mean(axis=0)
+  return E * jnp.sum(f_E * P_E)
+
+
+def router_z_loss(logits_TE: jax.Array) -> jax.Array:
+  """mean over tokens of logsumexp(logits)^2 (ST-MoE): keeps router logits small."""
+  return jnp.mean(jax.nn.logsumexp(logits_TE, axis=-1) ** 2)
+
+
+def bias_update(bias_E: jax.Array, counts_E: jax.Array, rate: float) -> jax.Array:
+  """DeepSeek-V3 aux-loss-free step: raise the bias of under-loaded experts, lower over-loaded."""
+  return bias_E + rate * jnp.sign(counts_E.mean() - counts_E)

@@ -1,0 +1,99 @@
+"""Decoder-only MoE transformer (Flax NNX)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.config import Config, is_moe_layer
+from moejax.model.attention import Attention
+from moejax.model.layers import RMSNorm, SwiGLU, dtype_of, normal_init
+from moejax.model.moe import MoE
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: Config, layer: int, *, rngs: nnx.Rngs):
+    m = cfg.model
+    dtype, pdtype = dtype_of(m.dtype), dtype_of(m.param_dtype)
+    self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdtype)
+    self.attn = Attention(m.d_model, m.num_heads, m.num_kv_heads, m.head_dim,
+                          rope_theta=m.rope_theta, rngs=rngs, std=m.init_std, dtype=dtype,
+                          param_dtype=pdtype)
+    self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdtype)
+    self.is_moe = is_moe_layer(cfg, layer)
+    if self.is_moe:
+      self.ffn = MoE(m.d_model, cfg.moe, rngs=rngs, std=m.init_std, dtype=dtype, param_dtype=pdtype)
+    else:
+      self.ffn = SwiGLU(m.d_model, m.ffn_hidden, rngs=rngs, std=m.init_std, dtype=dtype,
+                        param_dtype=pdtype)
+
+  def __call__(self, x_BTD, positions_BT, cache=None):
+    a, cache = self.attn(self.attn_norm(x_BTD), positions_BT, cache)
+    x_BTD = x_BTD + a
+    h = self.ffn_norm(x_BTD)
+    stats = None
+    if self.is_moe:
+      f, stats = self.ffn(h)
+    else:
+      f = self.ffn(h)
+    return x_BTD + f, cache, stats
+
+
+class Transformer(nnx.Module):
+  """tokens_BT -> logits_BTV; also returns per-MoE-layer routing stats."""
+
+  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    m = cfg.model
+    self.cfg = cfg
+    self.dtype = dtype_of(m.dtype)
+    pdtype = dtype_of(m.param_dtype)
+    self.embed_VD = nnx.Param(normal_init(m.init_std)(rngs.params(), (m.vocab_size, m.d_model), pdtype))
+    self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(m.num_layers)]) \
+        if hasattr(nnx, "List") else [Block(cfg, i, rngs=rngs) for i in range(m.num_layers)]
+    self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdtype)
+    self.lm_head_DV = None if m.tie_embeddings else nnx.Param(
+        normal_init(m.init_std)(rngs.params(), (m.d_model, m.vocab_size), pdtype))
+
+  @property
+  def moe_layers(self) -> list[int]:
+    return [i for i, b in enumerate(self.blocks) if b.is_moe]
+
+  def __call__(self, tokens_BT, positions_BT=None, caches=None):
+    """caches: None (training / full sequence) or a list with one KV cache per layer.
+
+    Returns (logits_BTV float32, stats: list of per-MoE-layer dicts, new caches or None).
+    """
+    B, T = tokens_BT.shape
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    x = self.embed_VD[...][tokens_BT].astype(self.dtype)
+    stats, new_caches = [], []
+    for i, block in enumerate(self.blocks):
+      x, c, s = block(x, positions_BT, None if caches is None else caches[i])
+      new_caches.append(c)
+      if s is not None:
+        stats.append(s)
+    x = self.final_norm(x)
+    head = self.embed_VD[...].T if self.lm_head_DV is None else self.lm_head_DV[...]
+    logits = jnp.dot(x, head.astype(self.dtype), preferred_element_type=jnp.float32)
+    return logits, stats, (None if caches is None else new_caches)
+
+
+def count_params(model: nnx.Module) -> int:
+  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def active_params(cfg: Config) -> int:
+  """Parameters touched per token (routed experts counted top_k times, not E times)."""
+  m, e = cfg.model, cfg.moe
+  attn = m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+  total = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
+  for i in range(m.num_layers):
+    total += attn
+    if is_moe_layer(cfg, i):
+      k = e.top_k if e.routing != "top_p" else e.max_k
+      shared = (e.shared_expert_hidden or e.expert_hidden) * e.num_shared_experts
+      total += 3 * m.d_model * (k * e.expert_hidden + shared) + m.d_model * e.num_experts
+    else:
+      total += 3 * m.d_model * m.ffn_hidden
+  return total

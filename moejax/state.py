@@ -1,0 +1,135 @@
+"""Model construction, train state, and the pure train/eval step functions.
+
+TrainState is a plain pytree so that jit, shardings and orbax see arrays only:
+  params   nnx.State of nnx.Param        (optimized)
+  buffers  nnx.State of RouterBias       (aux-loss-free balancing; updated in the step)
+  opt_state, step (int32), rng (key data, uint32)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from moejax.config import Config
+from moejax.model import routing
+from moejax.model.moe import RouterBias
+from moejax.model.transformer import Transformer
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+  params: Any
+  buffers: Any
+  opt_state: Any
+  step: jax.Array
+  rng: jax.Array
+
+
+def build_model(cfg: Config, seed: int) -> Transformer:
+  return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+  t = cfg.train
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=t.lr, warmup_steps=min(t.warmup_steps, t.steps),
+      decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.lr * t.min_lr_ratio)
+  # No weight decay on norms scales (1-D parameters).
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  return optax.chain(
+      optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity(),
+      optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask))
+
+
+def learning_rate(cfg: Config, step) -> jax.Array:
+  t = cfg.train
+  return optax.warmup_cosine_decay_schedule(
+      0.0, t.lr, min(t.warmup_steps, t.steps), max(t.steps, t.warmup_steps + 1),
+      t.lr * t.min_lr_ratio)(step)
+
+
+def split_model(model: Transformer):
+  """-> (graphdef, params, buffers)."""
+  graphdef, params, buffers = nnx.split(model, nnx.Param, RouterBias)
+  return graphdef, params, buffers
+
+
+def init_state(cfg: Config, model: Transformer | None = None) -> tuple[Any, TrainState]:
+  model = model if model is not None else build_model(cfg, cfg.train.seed)
+  graphdef, params, buffers = split_model(model)
+  opt_state = make_optimizer(cfg).init(params)
+  rng = jax.random.key_data(jax.random.key(cfg.train.seed))
+  return graphdef, TrainState(params, buffers, opt_state, jnp.zeros((), jnp.int32), rng)
+
+
+def lm_loss(logits_BTV, targets_BT):
+  """Mean next-token cross-entropy in nats (float32)."""
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits_BTV.astype(jnp.float32), targets_BT).mean()
+
+
+def forward_loss(cfg: Config, graphdef, params, buffers, inputs_BT, targets_BT):
+  """Total loss = LM loss + aux_loss_coef * Switch loss + z_loss_coef * z-loss (layer means)."""
+  model = nnx.merge(graphdef, params, buffers)
+  logits, stats, _ = model(inputs_BT)
+  lm = lm_loss(logits, targets_BT)
+  zero = jnp.zeros((), jnp.float32)
+  aux = jnp.mean(jnp.stack([s["aux_loss"] for s in stats])) if stats else zero
+  z = jnp.mean(jnp.stack([s["z_loss"] for s in stats])) if stats else zero
+  total = lm + cfg.moe.aux_loss_coef * aux + cfg.moe.z_loss_coef * z
+  metrics = {"loss": lm, "aux_loss": aux, "z_loss": z, "total_loss": total}
+  if stats:
+    metrics["load_LE"] = jnp.stack([s["load_E"] for s in stats])
+    metrics["dropped_L"] = jnp.stack([s["dropped_frac"] for s in stats])
+    metrics["experts_per_token"] = jnp.mean(jnp.stack([s["experts_per_token"] for s in stats]))
+  return total, metrics
+
+
+def update_router_biases(cfg: Config, graphdef, params, buffers, load_LE):
+  """Aux-loss-free balancing: nudge each MoE layer's selection bias toward equal load."""
+  if not cfg.moe.bias_balancing:
+    return buffers
+  model = nnx.merge(graphdef, params, buffers)
+  moe_blocks = [b for b in model.blocks if b.is_moe]
+  for block, load_E in zip(moe_blocks, load_LE):
+    block.ffn.bias_E.value = routing.bias_update(block.ffn.bias_E[...], load_E,
+                                                 cfg.moe.bias_update_rate)
+  return split_model(model)[2]
+
+
+def make_train_step(cfg: Config, graphdef):
+  tx = make_optimizer(cfg)
+
+  def train_step(state: TrainState, inputs_BT, targets_BT):
+    grad_fn = jax.value_and_grad(
+        lambda p: forward_loss(cfg, graphdef, p, state.buffers, inputs_BT, targets_BT),
+        has_aux=True)
+    (_, metrics), grads = grad_fn(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    buffers = state.buffers
+    if "load_LE" in metrics:
+      buffers = update_router_biases(cfg, graphdef, params, buffers, metrics["load_LE"])
+    metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(g.astype(jnp.float32) ** 2)
+                                       for g in jax.tree.leaves(grads)))
+    metrics["lr"] = learning_rate(cfg, state.step)
+    return TrainState(params, buffers, opt_state, state.step + 1, state.rng), metrics
+
+  return train_step
+
+
+def make_eval_step(cfg: Config, graphdef):
+  def eval_step(params, buffers, inputs_BT, targets_BT):
+    """Summed NLL (nats) and token count over a batch."""
+    model = nnx.merge(graphdef, params, buffers)
+    logits, _, _ = model(inputs_BT)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets_BT)
+    return nll.sum(), jnp.asarray(nll.size, jnp.float32)
+
+  return eval_step

@@ -1,0 +1,46 @@
+import pytest
+
+from moejax.config import ConfigError, capacity, is_moe_layer, load_config
+
+
+def test_tiny_loads_and_overrides_apply():
+  cfg = load_config("configs/tiny.yaml", ["moe.top_k=1", "train.steps=7", "data.files=a.txt,b.txt"])
+  assert cfg.moe.top_k == 1 and cfg.train.steps == 7
+  assert cfg.data.files == ("a.txt", "b.txt")
+
+
+@pytest.mark.parametrize("path", ["configs/mixtral_8x7b.yaml", "configs/olmoe_1b_7b.yaml",
+                                  "configs/qwen_moe.yaml", "configs/tiny.yaml"])
+def test_shipped_configs_validate(path):
+  load_config(path)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("moe.topk=2", "did you mean 'top_k'"),
+    ("modle.d_model=3", "did you mean 'model'"),
+    ("moe.top_k=9", "top_k=9 exceeds moe.num_experts=8"),
+    ("model.num_kv_heads=3", "multiple of model.num_kv_heads=3"),
+    ("model.d_model=0", "model.d_model=0: must be positive"),
+    ("moe.expert_impl=magic", "must be one of dense, ragged, blocked, gmm"),
+    ("moe.routing=top_p moe.top_p=1.5", "moe.top_p=1.5"),
+    ("kv_cache.bits=5", "kv_cache.bits=5"),
+    ("kv_cache.outlier_fraction=1.0", "outlier_fraction"),
+    ("model.head_dim=33", "head_dim=33 must be even"),
+    ("train.steps=abc", "expected an integer"),
+    ("mesh.expert=3", "mesh.expert=3 does not divide moe.num_experts=8"),
+])
+def test_bad_settings_name_the_problem(override, message):
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    load_config("configs/tiny.yaml", override.split())
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+  with pytest.raises(ConfigError, match="config file not found"):
+    load_config(tmp_path / "nope.yaml")
+
+
+def test_moe_layer_placement_and_capacity():
+  cfg = load_config(None, ["moe.first_dense_layers=1", "moe.moe_every=2", "model.num_layers=6"])
+  assert [is_moe_layer(cfg, i) for i in range(6)] == [False, True, False, True, False, True]
+  assert capacity(100, 2, 8, 1.0) == 25
+  assert capacity(100, 2, 8, 0.0) == 100  # dropless
