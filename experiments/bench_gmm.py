@@ -228,6 +228,9 @@ def main():
                TBps=nbytes / t / 1e12, **(extra or {}))
     results["rows"].append(row)
     print("row", row, flush=True)
+    os.makedirs(args.out, exist_ok=True)  # partial results survive a timeout
+    with open(os.path.join(args.out, "bench_gmm.json"), "w") as fh:
+      json.dump(results, fh, indent=1, default=str)
 
   def run_case(case, x, w, gs, dy, *, dense, sweep_tilings=(), routed_bytes=None):
     m, k = x.shape
