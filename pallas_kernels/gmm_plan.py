@@ -53,27 +53,35 @@ def default_tiling(m: int, k: int, n: int, e: int, *, op: str = "gmm") -> GmmTil
   """A small heuristic: decode (few rows) streams weights, training fills tensor cores.
 
   gmm: out [m, n], reduction k. tgmm: out [e, k, n], reduction over m rows.
+  Each choice is a configuration measured on the H200 (docs/benchmarks.md).
   """
-  del e
   if op == "tgmm":
-    return GmmTiling(bm=64, bk=128, bn=128, num_warps=4, num_stages=3)
+    # H200: 575 TFLOP/s on the Mixtral shape (64x128x128/w4: 545); equal on OLMoE.
+    return GmmTiling(bm=64, bk=128, bn=256, num_warps=8, num_stages=3)
   if m <= 64:
-    # Decode: one row tile (each routed expert read once); split K so that
-    # ~512+ programs per routed expert stream its weights in parallel.
+    # Decode: one row tile (each routed expert read once), expert-major order,
+    # K split so that each routed expert is streamed by many programs.
     bm = max(16, _pow2_at_least(m))
-    bk, bn = 128, 128
-    n_tiles = -(-n // bn)
     split = 1
-    while n_tiles * split < 512 and k // (split * 2) >= 2 * bk:
+    while -(-n // 128) * split < 512 and k // (split * 2) >= 256:
       split *= 2
-    return GmmTiling(bm=bm, bk=bk, bn=bn, split_k=split, num_warps=4, num_stages=4,
+    if min(m, e) <= 2:  # 1-2 routed experts: narrower tiles, more programs each
+      # H200, K=4096 N=14336, 2 rows: 77% of copy bandwidth (bn=128: 68%).
+      return GmmTiling(bm=bm, bk=128, bn=64, split_k=split, num_warps=4, num_stages=6,
+                       expert_major=True)
+    # H200, K=4096 N=14336: 91% (4 rows) and 92% (32 rows) of copy bandwidth.
+    split = max(1, split // 2)
+    bk = min(256, max(16, _pow2_at_least(-(-k // split))))
+    return GmmTiling(bm=bm, bk=bk, bn=128, split_k=split, num_warps=4, num_stages=3,
                      expert_major=True)
   if m <= 2048:
     return GmmTiling(bm=64, bk=64, bn=128, num_warps=4, num_stages=4)
-  if n <= 4096:  # H200, OLMoE shape: 128x128 beat 128x256 (409 vs 241 TFLOP/s)
+  if n <= 4096:
+    # H200, OLMoE (K=2048, N=1024, 32k rows): 470 TFLOP/s, 1.43x tokamax; as the
+    # dlhs of Mixtral, 128x256/w8 was faster (run to run spread is large here).
     return GmmTiling(bm=128, bk=64, bn=128, num_warps=4, num_stages=4)
-  # H200, Mixtral w1 shape: 672 TFLOP/s, 0.91x the dense einsum.
-  return GmmTiling(bm=128, bk=64, bn=256, num_warps=8, num_stages=3)
+  # H200, Mixtral w1 (K=4096, N=14336, 16k rows): 711 TFLOP/s, 0.95x the dense einsum.
+  return GmmTiling(bm=128, bk=64, bn=256, num_warps=8, num_stages=3, group_m=16)
 
 
 class TileMetadata(NamedTuple):
