@@ -100,6 +100,8 @@ class KVCacheConfig:
   sink_tokens: int = 0
   key_axis: str = "channel"      # keys: per-channel statistics over G tokens (KIVI)
   value_axis: str = "token"      # values: per-token statistics over G channels
+  meta_dtype: str = "float8_e4m3fn"  # scales / zero-points: float8_e4m3fn | bfloat16 | float16
+  layer_bits: tuple[int, ...] = ()   # per-layer override of `bits` (empty: all layers use bits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +257,7 @@ _CHOICES = {
     "data.tokenizer": ("byte", "bpe"),
     "kv_cache.key_axis": ("channel", "token"),
     "kv_cache.value_axis": ("channel", "token"),
+    "kv_cache.meta_dtype": ("float8_e4m3fn", "bfloat16", "float16"),
 }
 
 
@@ -317,6 +320,17 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f"train.lr={t.lr} / train.min_lr_ratio={t.min_lr_ratio}: lr > 0, ratio in (0, 1]")
   if kv.bits not in (2, 3, 4, 8, 16):
     raise ConfigError(f"kv_cache.bits={kv.bits}: must be one of 2, 3, 4, 8, 16")
+  for i, b in enumerate(kv.layer_bits):
+    if b not in (2, 3, 4, 8, 16):
+      raise ConfigError(f"kv_cache.layer_bits[{i}]={b}: must be one of 2, 3, 4, 8, 16")
+  if kv.layer_bits and len(kv.layer_bits) != m.num_layers:
+    raise ConfigError(f"kv_cache.layer_bits has {len(kv.layer_bits)} entries for "
+                      f"{m.num_layers} layers")
+  if kv.group_size < 16 or kv.group_size & (kv.group_size - 1):
+    raise ConfigError(f"kv_cache.group_size={kv.group_size}: must be a power of two >= 16")
+  if kv.residual_window % kv.group_size:
+    raise ConfigError(f"kv_cache.residual_window={kv.residual_window} must be a multiple of "
+                      f"kv_cache.group_size={kv.group_size} (the window is flushed in whole groups)")
   if not (0.0 <= kv.outlier_fraction < 1.0):
     raise ConfigError(f"kv_cache.outlier_fraction={kv.outlier_fraction}: must be in [0, 1)")
   for name, value in (("mesh.data", cfg.mesh.data), ("mesh.expert", cfg.mesh.expert),

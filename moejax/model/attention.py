@@ -54,12 +54,11 @@ class Attention(nnx.Module):
     return o_BTHD.reshape(B, T, -1) @ self.wo_HdD[...].astype(self.dtype)
 
   def __call__(self, x_BTD, positions_BT, cache=None):
-    """Causal self-attention. With `cache` (a KV cache layer), keys/values are appended to
-    it and attention reads the whole cache; returns (y_BTD, new_cache)."""
+    """Causal self-attention. With `cache` (see kv_cache.py), the new keys/values extend it
+    and attention reads everything it holds; returns (y_BTD, new_cache)."""
     q, k, v = self.project_qkv(x_BTD, positions_BT)
     if cache is None:
       o = gqa_attention(q, k, v, causal_mask(x_BTD.shape[1]))
       return self.output(o), None
-    cache = cache.append(k, v)
-    o = cache.attend(q, positions_BT)
+    o, cache = cache.extend(q, k, v, positions_BT)
     return self.output(o.astype(self.dtype)), cache
