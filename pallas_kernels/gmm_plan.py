@@ -11,8 +11,10 @@ are never read. The number of work tiles is at most ``cdiv(M, bm) + min(E, M)``
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 
@@ -104,6 +106,7 @@ def num_work_tiles(m: int, bm: int, e: int) -> int:
   return -(-m // bm) + min(e, m)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def make_tile_metadata(group_sizes_E, m: int, bm: int) -> TileMetadata:
   """Work-tile table for rows sorted by group (see module docstring). jnp only, jit-safe.
 
