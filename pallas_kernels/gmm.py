@@ -53,9 +53,11 @@ def _gmm_call(lhs_MK, rhs, group_sizes_E, *, n, transpose_rhs, out_dtype, tiling
   e = rhs.shape[0]
   if _use_tpu(interpret):
     from pallas_kernels import gmm_tpu  # only where a TPU is present
-    return gmm_tpu.gmm_tpu(lhs_MK, rhs, group_sizes_E, scales, n=n, tiling=tiling,
-                           transpose_rhs=transpose_rhs, out_dtype=out_dtype, bits=bits,
-                           scale_group=scale_group)
+    if bits is not None:  # no in-kernel dequantization on TPU yet
+      rhs = dequantize_expert_weights(
+          QuantizedExpertWeights(rhs, scales, bits, scale_group), lhs_MK.dtype)
+    return gmm_tpu.gmm_tpu(lhs_MK, rhs, group_sizes_E, n=n, tiling=tiling,
+                           transpose_rhs=transpose_rhs, out_dtype=out_dtype)
   meta = make_tile_metadata(group_sizes_E, m, tiling.bm)
   return gmm_gpu(lhs_MK, rhs, meta, scales, n=n, tiling=tiling, transpose_rhs=transpose_rhs,
                  out_dtype=out_dtype, interpret=interpret, bits=bits, scale_group=scale_group)

@@ -248,3 +248,17 @@ def test_bad_input_raises(call, match):
 def test_tiling_is_a_frozen_dataclass():
   t = dataclasses.replace(SMALL, split_k=2)
   assert t.split_k == 2 and hash(t) != hash(SMALL)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_tpu_shaped_path_in_tpu_interpret_mode(transpose_rhs):
+  from pallas_kernels.gmm_tpu import gmm_tpu
+  rng = np.random.default_rng(50)
+  m, k, n, e = 45, 200, 260, 4  # K, N not multiples of the 128-lane blocks
+  x, w = inputs(50, m, k, n, e)
+  gs = random_sizes(rng, m, e)
+  rhs = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
+  out = gmm_tpu(x, rhs, gs, n=n, tiling=GmmTiling(bm=16, bk=128, bn=128),
+                transpose_rhs=transpose_rhs, out_dtype=jnp.float32, interpret=True)
+  assert rel_err(out, ref.gmm(x, w, gs)) < 1e-5
+  assert bool(jnp.all(out[int(gs.sum()):] == 0))
