@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from moejax import plots
+from moejax import parallel, plots
 from moejax.checkpoint import Checkpointer
 from moejax.config import Config, save_config
 from moejax.data import train_batch
@@ -83,6 +83,8 @@ def _read_history(path: Path, upto: int) -> tuple[list, list]:
 def train(cfg: Config, *, quiet: bool = False) -> dict:
   """Trains (resuming from cfg.train.out_dir/checkpoints if present). Returns a summary."""
   t = cfg.train
+  parallel.maybe_initialize_distributed()
+  mesh = parallel.mesh_for_config(cfg)   # None on one device: the plain single-device path
   out_dir = Path(t.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   save_config(cfg, out_dir / "config.yaml")
@@ -94,6 +96,7 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
   model = build_model(cfg, t.seed)
   n_params, n_active = count_params(model), active_params(cfg)
   graphdef, state = init_state(cfg, model)
+  state = parallel.place_state(mesh, state)   # restore below reads into these shardings
   moe_layers = model.moe_layers
   del model
   ckpt = Checkpointer(out_dir / "checkpoints", keep=t.keep_checkpoints)
@@ -104,8 +107,12 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
     if not quiet:
       print(f"resumed from {ckpt.directory}/{start}")
 
-  step_fn = jax.jit(make_train_step(cfg, graphdef), donate_argnums=0)
-  eval_fn = jax.jit(make_eval_step(cfg, graphdef))
+  step_fn = parallel.jit_train_step(mesh, make_train_step(cfg, graphdef), state)
+  eval_fn = parallel.jit_eval_step(mesh, make_eval_step(cfg, graphdef), state.params,
+                                   state.buffers)
+  if mesh is not None and not quiet:
+    print("mesh: " + " ".join(f"{a}={n}" for a, n in mesh.shape.items())
+          + f" over {mesh.size} {jax.default_backend()} devices")
   B, T = cfg.data.batch_size, cfg.data.seq_len
   writers = _Writers(out_dir, t.tensorboard)
   load_sum = np.zeros((len(moe_layers), cfg.moe.num_experts))
@@ -181,7 +188,8 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
   summary = {"step": step, "params": n_params, "active_params": n_active,
              "tokens_per_s": tokens_done / elapsed if elapsed else 0.0,
              "train_loss": train_curve[-1][1] if train_curve else float("nan"),
-             **last_eval, "plots": paths, "run_dir": str(out_dir)}
+             **last_eval, "plots": paths, "run_dir": str(out_dir),
+             "mesh": dict(mesh.shape) if mesh is not None else None}
   (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
   ckpt.close()
   return summary

@@ -10,6 +10,7 @@ from moejax.config import MoEConfig, capacity as capacity_for
 from moejax.model import routing
 from moejax.model.experts import expert_ffn
 from moejax.model.layers import SwiGLU, normal_init
+from moejax.parallel import context as parallel_context
 
 
 class RouterBias(nnx.Variable):
@@ -53,6 +54,17 @@ class MoE(nnx.Module):
     """Returns (y_BTD, stats): stats holds aux losses and per-expert load counts."""
     B, T, D = x_BTD.shape
     x_TD = x_BTD.reshape(B * T, D)
+    ep = parallel_context.active()
+    if ep is not None:  # multi-device mesh: route per device, exchange tokens (parallel/dispatch.py)
+      from moejax.parallel.dispatch import moe_experts
+      c = lambda p: p[...].astype(self.dtype)
+      y_TD, stats = moe_experts(ep.mesh, self.cfg, x_TD, self.router_DE[...],
+                                None if self.bias_E is None else self.bias_E[...],
+                                c(self.w_gate_EDF), c(self.w_up_EDF), c(self.w_down_EFD),
+                                exchange=ep.exchange)
+      if self.shared is not None:
+        y_TD = y_TD + self.shared(x_TD)
+      return y_TD.reshape(B, T, D).astype(x_BTD.dtype), stats
     r = self.route(x_TD)
     y_TD = self.experts(x_TD, r)
     if self.shared is not None:
