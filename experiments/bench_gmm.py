@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from pallas_kernels import gmm as gmm_lib  # noqa: E402
+import pallas_kernels as gmm_lib  # noqa: E402  (gmm_lib.gmm is the public function)
 from pallas_kernels.gmm_plan import GmmTiling, default_tiling  # noqa: E402
 
 
