@@ -95,6 +95,9 @@ def _gmm_float_bwd(out_dtype, tiling, interpret, res, dout_MN):
   lhs_MK, rhs_EKN, group_sizes_E = res
   e, k, n = rhs_EKN.shape
   m = lhs_MK.shape[0]
+  # The cotangent in the inputs' dtype (bf16 stays on the fast tensor-core path even
+  # when the forward returned f32 via preferred_element_type).
+  dout_MN = dout_MN.astype(jnp.promote_types(lhs_MK.dtype, rhs_EKN.dtype))
   # dlhs[m] = dout[m] @ rhs[g].T: a gmm reading rhs transposed (no copy).
   dlhs_MK = _gmm_call(dout_MN, rhs_EKN, group_sizes_E, n=k, transpose_rhs=True,
                       out_dtype=lhs_MK.dtype, tiling=default_tiling(m, n, k, e),
@@ -172,7 +175,10 @@ def gmm(lhs_MK, rhs_EKN, group_sizes_E, *, preferred_element_type=None,
     interpret: None = decide from the backend (interpret on CPU).
 
   Returns:
-    out_MN: [M, N]. Differentiable (jax.custom_vjp) w.r.t. lhs and float rhs.
+    out_MN: [M, N]. Differentiable (jax.custom_vjp) w.r.t. lhs and float rhs; the
+    backward casts the output cotangent to the inputs' dtype (bf16 inputs: bf16 products,
+    f32 accumulation). lhs and rhs of different float dtypes are promoted in the
+    kernel; f32 products run in IEEE f32 (slow on tensor cores): pass bf16 for speed.
   """
   quantized = isinstance(rhs_EKN, QuantizedExpertWeights)
   if getattr(lhs_MK, "ndim", None) != 2:
