@@ -91,11 +91,14 @@ def test_padded_exchange_has_ragged_all_to_all_semantics(worker):
 
 
 def test_training_steps_match_single_device(worker):
-  r = worker["steps"]
-  assert r["loss_rel"] < 1e-4, r
-  assert r["param_rel"] < 1e-4, r
-  assert r["bias_moved"], r
-  assert r["state_spec_experts"] == _EXPERT_SPEC, r
+  from jax.sharding import PartitionSpec as P
+  for name, experts, embed in (("mesh", P("expert"), P()),
+                               ("fsdp", P("expert", "data"), P(None, "data"))):
+    r = worker[f"steps_{name}"]
+    assert r["loss_rel"] < 1e-4 and r["param_rel"] < 1e-4, (name, r)
+    assert r["bias_moved"], r
+    assert r["spec_experts"] == r["spec_mu_experts"] == repr(experts), (name, r)
+    assert r["spec_embed"] == repr(embed), (name, r)
 
 
 def test_checkpoint_restores_across_meshes(worker):
@@ -311,24 +314,32 @@ def _worker(ckpt_dir: str) -> dict:
   batches = [(rng.integers(0, 256, (8, 8)).astype(np.int32),
               rng.integers(0, 256, (8, 8)).astype(np.int32)) for _ in range(3)]
   runs = {}
-  for name, msh in (("single", None), ("mesh", mesh)):
-    state = parallel.place_state(msh, init_state(cfg)[1])
-    step = parallel.jit_train_step(msh, make_train_step(cfg, graphdef), state)
+  for name, msh, rules in (("single", None, None), ("mesh", mesh, None),
+                           ("fsdp", mesh, parallel.FSDP_RULES)):
+    state = parallel.place_state(msh, init_state(cfg)[1], rules)
+    step = parallel.jit_train_step(msh, make_train_step(cfg, graphdef), state, rules)
     losses = []
     for x, y in batches:
       state, metrics = step(state, x, y)
       losses.append(float(metrics["loss"]))
     runs[name] = (state, losses)
-  (s0, l0), (s1, l1) = runs["single"], runs["mesh"]
-  exp_spec = [v.sharding.spec for k, v in jax.tree_util.tree_flatten_with_path(s1.params)[0]
-              if "w_gate_EDF" in str(k)][0]
-  out["steps"] = {
-      "loss_rel": _rel(l1, l0),
-      "param_rel": max(_rel(a, c) for a, c in zip(jax.tree.leaves(s1), jax.tree.leaves(s0))
-                       if np.asarray(c).dtype.kind == "f"),
-      "bias_moved": bool(any(np.abs(np.asarray(v)).sum() > 0 for v in jax.tree.leaves(s1.buffers))),
-      "state_spec_experts": repr(exp_spec),
-  }
+  (s0, l0) = runs["single"]
+  spec = lambda state, name: repr([v.sharding.spec for k, v in jax.tree_util.tree_flatten_with_path(
+      state.params)[0] if name in str(k)][0])
+  for name in ("mesh", "fsdp"):
+    s1, l1 = runs[name]
+    out[f"steps_{name}"] = {
+        "loss_rel": _rel(l1, l0),
+        "param_rel": max(_rel(a, c) for a, c in zip(jax.tree.leaves(s1), jax.tree.leaves(s0))
+                         if np.asarray(c).dtype.kind == "f"),
+        "bias_moved": bool(any(np.abs(np.asarray(v)).sum() > 0
+                               for v in jax.tree.leaves(s1.buffers))),
+        "spec_experts": spec(s1, "w_gate_EDF"), "spec_embed": spec(s1, "embed_VD"),
+        # Adam moments live where their parameters do.
+        "spec_mu_experts": repr([v.sharding.spec for k, v in jax.tree_util.tree_flatten_with_path(
+            s1.opt_state)[0] if "mu" in str(k) and "w_gate_EDF" in str(k)][0]),
+    }
+  s1 = runs["mesh"][0]
 
   # Checkpoint saved on the EP=4 x DP=2 mesh, restored onto one device; and the reverse.
   ck = Checkpointer(Path(ckpt_dir) / "a")
