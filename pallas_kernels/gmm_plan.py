@@ -102,17 +102,20 @@ class TileMetadata(NamedTuple):
   offsets_E1: jnp.ndarray
 
 
-def num_work_tiles(m: int, bm: int, e: int) -> int:
+def num_work_tiles(m: int, bm: int, e: int, visit_empty: bool = False) -> int:
   """Static bound: each boundary between non-empty (extended) groups adds one tile,
-  and there are at most min(E, M) + 1 non-empty ones (the tail included)."""
-  return -(-m // bm) + min(e, m)
+  and there are at most min(E, M) + 1 non-empty ones (the tail included); with
+  visit_empty each empty group adds one more tile."""
+  return -(-m // bm) + (e if visit_empty else min(e, m))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def make_tile_metadata(group_sizes_E, m: int, bm: int) -> TileMetadata:
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def make_tile_metadata(group_sizes_E, m: int, bm: int, visit_empty: bool = False
+                       ) -> TileMetadata:
   """Work-tile table for rows sorted by group (see module docstring). jnp only, jit-safe.
 
-  Group sizes are clipped so that their sum is at most m.
+  Group sizes are clipped so that their sum is at most m. visit_empty: each empty
+  group gets one work tile with no rows (tgmm on TPU writes its zero block there).
   """
   e = group_sizes_E.shape[0]
   sizes_E = jnp.maximum(group_sizes_E.astype(jnp.int32), 0)
@@ -124,10 +127,15 @@ def make_tile_metadata(group_sizes_E, m: int, bm: int) -> TileMetadata:
   nonempty_G = end_G > start_G
   first_tile_G = start_G // bm
   last_tile_G = jnp.maximum(end_G - 1, 0) // bm
-  count_G = jnp.where(nonempty_G, last_tile_G - first_tile_G + 1, 0)
+  n_row_tiles = -(-m // bm)
+  first_tile_G = jnp.minimum(first_tile_G, n_row_tiles - 1)  # empty groups at the end
+  empty_count = jnp.zeros_like(start_G)
+  if visit_empty:  # real groups only, not the tail
+    empty_count = empty_count.at[:e].set(1)
+  count_G = jnp.where(nonempty_G, last_tile_G - first_tile_G + 1, empty_count)
   cum_G = jnp.cumsum(count_G)
   total = cum_G[-1]
-  w_count = num_work_tiles(m, bm, e)
+  w_count = num_work_tiles(m, bm, e, visit_empty)
   w_W = jnp.arange(w_count, dtype=jnp.int32)
   # compare_all: one fused op (the default 'scan' is a device while loop).
   group_W = jnp.searchsorted(cum_G, w_W, side="right", method="compare_all").astype(jnp.int32)

@@ -5,7 +5,9 @@ Grid (n tiles, work tiles, k tiles): consecutive work tiles that share a row
 tile keep the same output block resident, each writing only its own rows
 (masked), so a row tile shared by two groups is written back once. Work tiles
 of empty groups do not exist, so their weight blocks are never fetched.
-Float weights only; tested on CPU with Pallas' TPU interpret mode.
+tgmm: grid (k, n, work tiles); empty groups get one empty work tile that
+writes their zero block. Float weights only (quantized weights are dequantized
+first); tested on CPU with Pallas' TPU interpret mode, not yet on a TPU.
 """
 from __future__ import annotations
 
@@ -91,11 +93,77 @@ def gmm_tpu(lhs_MK, rhs, group_sizes_E, scales=None, *, n: int, tiling: GmmTilin
   )(meta.group_W, meta.mtile_W, meta.lo_W, meta.hi_W, lhs_MK, rhs)
 
 
+def _tgmm_kernel(group_ref, mtile_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *,
+                 e: int, w_count: int, lhs_km: bool):
+  """Work tile w adds its rows' lhs.T @ rhs to its group's [bk, bn] block."""
+  w = pl.program_id(2)
+  g, lo, hi = group_ref[w], lo_ref[w], hi_ref[w]
+  gc = jnp.minimum(g, e - 1)
+  prev = jnp.minimum(group_ref[jnp.maximum(w - 1, 0)], e - 1)
+  nxt = jnp.minimum(group_ref[jnp.minimum(w + 1, w_count - 1)], e - 1)
+
+  @pl.when((w == 0) | (prev != gc))
+  def _init():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  @pl.when((hi > lo) & (g < e))
+  def _acc():
+    bm = rhs_ref.shape[0]
+    r0 = mtile_ref[w] * bm
+    dy = rhs_ref[...]
+    rows = r0 + jax.lax.broadcasted_iota(jnp.int32, dy.shape, 0)
+    dy = jnp.where((rows >= lo) & (rows < hi), dy, 0)
+    x = lhs_ref[...]
+    rdim = 1 if lhs_km else 0
+    xrows = r0 + jax.lax.broadcasted_iota(jnp.int32, x.shape, rdim)
+    x = jnp.where((xrows >= lo) & (xrows < hi), x, 0)  # also clears padded edge garbage
+    dims = (((1,), (0,)), ((), ())) if lhs_km else (((0,), (0,)), ((), ()))
+    acc_ref[...] += jax.lax.dot_general(x, dy, dims, preferred_element_type=jnp.float32)
+
+  @pl.when((w == w_count - 1) | (nxt != gc))
+  def _store():
+    out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
 def tgmm_tpu(lhs, rhs_MN, group_sizes_E, *, tiling: GmmTiling, lhs_km: bool, out_dtype,
              interpret=False):
-  """TPU path for tgmm: no Pallas kernel yet; falls back to the plain jnp reference
-  (one-hot einsum: correct, E times the FLOPs)."""
-  del tiling, interpret
-  from pallas_kernels import reference
-  lhs_KM = lhs if lhs_km else lhs.T
-  return reference.tgmm(lhs_KM, rhs_MN, group_sizes_E, out_dtype)
+  """out[g] = lhs[rows of g].T @ rhs[rows of g] -> [E, K, N]; lhs [M, K] or [K, M] (lhs_km).
+
+  Grid (k tiles, n tiles, work tiles): a group's work tiles are consecutive, so its
+  output block stays resident while they accumulate; empty groups get one empty
+  work tile (visit_empty) that writes their zero block.
+  """
+  k = lhs.shape[0] if lhs_km else lhs.shape[1]
+  m, n = rhs_MN.shape
+  e = group_sizes_E.shape[0]
+  # Rows are the lane dim of lhs [K, M]: a multiple of 128 there, of 8 otherwise.
+  bm = max(128 if lhs_km else 8, tiling.bm)
+  bk, bn = max(128, tiling.bk), max(128, tiling.bn)
+  meta = make_tile_metadata(group_sizes_E, m, bm, True)
+  w_count = meta.group_W.shape[0]
+  if lhs_km:
+    lhs_spec = pl.BlockSpec((bk, bm), lambda ki, ni, wi, group, mtile, lo, hi: (ki, mtile[wi]))
+  else:
+    lhs_spec = pl.BlockSpec((bm, bk), lambda ki, ni, wi, group, mtile, lo, hi: (mtile[wi], ki))
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=4,
+      grid=(-(-k // bk), -(-n // bn), w_count),
+      in_specs=[
+          lhs_spec,
+          pl.BlockSpec((bm, bn), lambda ki, ni, wi, group, mtile, lo, hi: (mtile[wi], ni)),
+      ],
+      out_specs=pl.BlockSpec(
+          (None, bk, bn),
+          lambda ki, ni, wi, group, mtile, lo, hi: (jnp.minimum(group[wi], e - 1), ki, ni)),
+      scratch_shapes=[pltpu.VMEM((bk, bn), jnp.float32)],
+  )
+  kernel = functools.partial(_tgmm_kernel, e=e, w_count=w_count, lhs_km=lhs_km)
+  return pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((e, k, n), out_dtype),
+      grid_spec=grid_spec,
+      compiler_params=None if interpret else pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary")),
+      interpret=pltpu.InterpretParams() if interpret else False,
+      name="tgmm_tpu",
+  )(meta.group_W, meta.mtile_W, meta.lo_W, meta.hi_W, lhs, rhs_MN)

@@ -185,13 +185,18 @@ def test_quantize_error_is_at_most_half_a_step(bits):
 @hypothesis.settings(max_examples=15, deadline=None)
 @hypothesis.given(
     sizes=st.lists(st.integers(0, 40), min_size=1, max_size=12),
-    extra=st.integers(0, 20), bm=st.sampled_from([8, 16, 64]))
-def test_work_tiles_cover_every_row_once(sizes, extra, bm):
+    extra=st.integers(0, 20), bm=st.sampled_from([8, 16, 64]), visit_empty=st.booleans())
+def test_work_tiles_cover_every_row_once(sizes, extra, bm, visit_empty):
   m = sum(sizes) + extra
   hypothesis.assume(m > 0)
   e = len(sizes)
-  meta = jax.tree.map(np.asarray, make_tile_metadata(jnp.asarray(sizes, jnp.int32), m, bm))
-  assert meta.group_W.shape[0] == num_work_tiles(m, bm, e)
+  meta = jax.tree.map(np.asarray, make_tile_metadata(
+      jnp.asarray(sizes, jnp.int32), m, bm, visit_empty))
+  assert meta.group_W.shape[0] == num_work_tiles(m, bm, e, visit_empty)
+  assert np.all((meta.mtile_W >= 0) & (meta.mtile_W * bm < m))
+  if visit_empty:  # every real group has a work tile, in group order
+    assert set(range(e)) <= set(meta.group_W.tolist())
+    assert np.all(np.diff(meta.group_W) >= 0)
   owner = np.full(m, -1)
   ends = np.cumsum(sizes)
   for g, mt, lo, hi in zip(meta.group_W, meta.mtile_W, meta.lo_W, meta.hi_W):
@@ -262,3 +267,32 @@ def test_tpu_shaped_path_in_tpu_interpret_mode(transpose_rhs):
                 transpose_rhs=transpose_rhs, out_dtype=jnp.float32, interpret=True)
   assert rel_err(out, ref.gmm(x, w, gs)) < 1e-5
   assert bool(jnp.all(out[int(gs.sum()):] == 0))
+
+
+def test_tpu_route_forward_and_gradients(monkeypatch):
+  """The public gmm as it runs on a TPU (block-spec kernels), in TPU interpret mode."""
+  import functools
+  import importlib
+  gmm_mod = importlib.import_module("pallas_kernels.gmm")  # the module (pk.gmm is the function)
+  from pallas_kernels import gmm_tpu
+  monkeypatch.setattr(gmm_mod, "_use_tpu", lambda interpret: True)
+  monkeypatch.setattr(gmm_tpu, "gmm_tpu", functools.partial(gmm_tpu.gmm_tpu, interpret=True))
+  monkeypatch.setattr(gmm_tpu, "tgmm_tpu", functools.partial(gmm_tpu.tgmm_tpu, interpret=True))
+  rng = np.random.default_rng(60)
+  m, k, n, e = 70, 130, 140, 6
+  x, w = inputs(60, m, k, n, e)
+  gs = random_sizes(rng, m, e)
+  tiling = GmmTiling(bm=16, bk=128, bn=128)
+  dy = jax.random.normal(jax.random.key(61), (m, n))
+
+  def loss(f):
+    return lambda x, w: jnp.sum(f(x, w) * dy)
+
+  out = pk.gmm(x, w, gs, tiling=tiling)
+  assert rel_err(out, ref.gmm(x, w, gs)) < 1e-5
+  gx, gw = jax.grad(loss(lambda x, w: pk.gmm(x, w, gs, tiling=tiling)), (0, 1))(x, w)
+  rx, rw = jax.grad(loss(lambda x, w: ref.gmm(x, w, gs)), (0, 1))(x, w)
+  assert rel_err(gx, rx) < 1e-5 and rel_err(gw, rw) < 1e-5
+  assert bool(jnp.all(gw[np.asarray(gs) == 0] == 0))
+  a = jnp.swapaxes(x, 0, 1)
+  assert rel_err(pk.tgmm(a, dy, gs), ref.tgmm(a, dy, gs)) < 1e-5  # lhs [K, M] layout
