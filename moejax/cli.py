@@ -1,9 +1,10 @@
-"""Command line: moejax train | eval | generate  (see `moejax -h`)."""
+"""Command line: moejax train | eval | generate | calibrate | eval-ppl  (see `moejax -h`)."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from moejax.checkpoint import CheckpointMismatchError
 from moejax.config import ConfigError
@@ -25,7 +26,6 @@ def _cmd_eval(args) -> int:
   from moejax.generate import load_trained
   from moejax.run_io import load_data
   from moejax.state import make_eval_step
-  from pathlib import Path
   tm = load_trained(args.run_dir, args.overrides)
   data = load_data(tm.cfg, Path(args.run_dir))
   d = tm.cfg.data
@@ -36,13 +36,47 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-  from moejax.generate import cache_nbytes, generate, load_trained
+  from moejax.generate import cache_nbytes, dense_caches, generate, load_trained
+  from moejax.kv_eval import KVSetting, load_calibration, quantized_cache_factory
+  if args.kv_bits not in (2, 3, 4, 8, 16):
+    raise ValueError(f"--kv-bits {args.kv_bits}: must be one of 2, 3, 4, 8, 16")
   tm = load_trained(args.run_dir)
+  factory = dense_caches
+  if args.kv_bits != 16:
+    factory = quantized_cache_factory(KVSetting(args.kv_bits, args.kv_outliers),
+                                      load_calibration(Path(args.run_dir)))
   ids = tm.tokenizer.encode(args.prompt)[None]
   out, caches = generate(tm, ids, args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, seed=args.seed)
+                         top_k=args.top_k, seed=args.seed, cache_factory=factory)
   print(tm.tokenizer.decode(out[0]))
-  print(f"\n[kv cache: {cache_nbytes(caches):,} bytes]", file=sys.stderr)
+  kind = "bf16" if args.kv_bits == 16 else f"{args.kv_bits}-bit + {args.kv_outliers:.0%} fp16 channels"
+  print(f"\n[kv cache ({kind}), {out.shape[1]} tokens capacity: {cache_nbytes(caches):,} bytes]",
+        file=sys.stderr)
+  return 0
+
+
+def _cmd_calibrate(args) -> int:
+  from moejax.generate import load_trained
+  from moejax.kv_eval import calibrate, save_calibration
+  from moejax.run_io import load_data
+  tm = load_trained(args.run_dir)
+  ranks = calibrate(tm, load_data(tm.cfg, Path(args.run_dir)), args.batches)
+  print(f"outlier-channel ranking saved to {save_calibration(Path(args.run_dir), ranks, tm.step)}")
+  return 0
+
+
+def _cmd_eval_ppl(args) -> int:
+  from moejax.kv_eval import format_table, run_sweep, settings_from
+  for b in args.kv:
+    if b not in (2, 3, 4, 8, 16):
+      raise ValueError(f"--kv {b}: bits must be among 2, 3, 4, 8, 16")
+  for f in args.outliers:
+    if not 0 <= f < 1:
+      raise ValueError(f"--outliers {f}: outlier fraction must be in [0, 1)")
+  rows, paths = run_sweep(Path(args.run_dir), settings_from(args.kv, args.outliers),
+                          max_batches=args.max_batches)
+  print(format_table(rows))
+  print(f"\n{paths['json']}\n{paths['plot']}")
   return 0
 
 
@@ -68,7 +102,22 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--temperature", type=float, default=0.8)
   g.add_argument("--top-k", type=int, default=40)
   g.add_argument("--seed", type=int, default=0)
+  g.add_argument("--kv-bits", type=int, default=16, help="16 (bf16) or 2/3/4/8 (quantized cache)")
+  g.add_argument("--kv-outliers", type=float, default=0.0,
+                 help="fraction of channels per kv-head kept in 16 bits")
   g.set_defaults(fn=_cmd_generate)
+
+  c = sub.add_parser("calibrate", help="pick each layer/kv-head's KV outlier channels")
+  c.add_argument("run_dir")
+  c.add_argument("--batches", type=int, default=4)
+  c.set_defaults(fn=_cmd_calibrate)
+
+  q = sub.add_parser("eval-ppl", help="perplexity and memory under KV-cache quantization")
+  q.add_argument("run_dir")
+  q.add_argument("--kv", type=int, nargs="+", default=[16, 4, 3, 2])
+  q.add_argument("--outliers", type=float, nargs="+", default=[0.0, 0.01, 0.15])
+  q.add_argument("--max-batches", type=int, default=8)
+  q.set_defaults(fn=_cmd_eval_ppl)
   return p
 
 

@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
   ids, caches = generate(tm, tm.tokenizer.encode(prompt)[None], 160, temperature=0.8, top_k=40)
   print(f"\nsample (bf16 KV cache, {cache_nbytes(caches):,} bytes):\n{tm.tokenizer.decode(ids[0])}\n")
 
+  from moejax.kv_eval import demo_sweep
+  demo_sweep(run_dir)
   print("plots:", *summary["plots"], sep="\n  ")
   return 0
 

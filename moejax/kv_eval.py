@@ -258,7 +258,7 @@ def settings_from(bits: list[int], outliers: list[float]) -> list[KVSetting]:
   return out
 
 
-def run_sweep(run_dir: Path, bits: list[int], outliers: list[float], *, max_batches: int | None,
+def run_sweep(run_dir: Path, settings: list[KVSetting], *, max_batches: int | None,
               quiet: bool = False) -> tuple[list[dict], dict[str, str]]:
   """Loads the run, calibrates if needed, sweeps, writes JSON + PNG next to the checkpoints."""
   from moejax.generate import load_trained
@@ -270,8 +270,7 @@ def run_sweep(run_dir: Path, bits: list[int], outliers: list[float], *, max_batc
   if ranks is None:
     ranks = calibrate(tm, data)
     save_calibration(run_dir, ranks, tm.step)
-  rows = eval_ppl(tm, data, settings_from(bits, outliers), ranks, max_batches=max_batches,
-                  quiet=quiet)
+  rows = eval_ppl(tm, data, settings, ranks, max_batches=max_batches, quiet=quiet)
   json_path = run_dir / "kv_sweep.json"
   json_path.write_text(json.dumps(rows, indent=2))
   png = plot_ppl_vs_bits(rows, run_dir / "ppl_vs_bits.png")
@@ -279,7 +278,7 @@ def run_sweep(run_dir: Path, bits: list[int], outliers: list[float], *, max_batc
 
 
 def demo_sweep(run_dir: Path) -> None:
-  rows, paths = run_sweep(run_dir, [16, 4, 3, 2], [0.0, 0.15], max_batches=4)
+  rows, paths = run_sweep(run_dir, settings_from([16, 4, 3, 2], [0.0, 0.15]), max_batches=4)
   print("\nKV-cache quantization (perplexity through the quantized cache):")
   print(format_table(rows))
   print(f"\n{paths['json']}\n{paths['plot']}")
