@@ -296,3 +296,27 @@ def test_tpu_route_forward_and_gradients(monkeypatch):
   assert bool(jnp.all(gw[np.asarray(gs) == 0] == 0))
   a = jnp.swapaxes(x, 0, 1)
   assert rel_err(pk.tgmm(a, dy, gs), ref.tgmm(a, dy, gs)) < 1e-5  # lhs [K, M] layout
+
+
+def test_group_sizes_summing_past_m_are_clipped():
+  m, k, n, e = 30, 16, 16, 3
+  x, w = inputs(70, m, k, n, e)
+  gs = jnp.asarray([12, 10, 25], jnp.int32)  # sum 47 > 30: the last group gets 8 rows
+  clipped = jnp.asarray([12, 10, 8], jnp.int32)
+  out = pk.gmm(x, w, gs, tiling=SMALL)
+  assert rel_err(out, ref.gmm(x, w, clipped)) < 1e-5
+
+
+@pytest.mark.slow
+def test_bench_script_smoke(tmp_path):
+  """experiments/bench_gmm.py --smoke runs (tiny sizes, interpret mode) and writes JSON."""
+  import json
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  subprocess.run([sys.executable, os.path.join(root, "experiments", "bench_gmm.py"), "--smoke",
+                  "--cases", "check,c", "--no-bwd", "--out", str(tmp_path)],
+                 check=True, capture_output=True, timeout=600)
+  res = json.loads((tmp_path / "bench_gmm.json").read_text())
+  assert all(c["ok"] for c in res["checks"]) and res["rows"]
