@@ -55,7 +55,7 @@ def _per_token_reference(x, r, wg, wu, wd):
   return out
 
 
-@pytest.mark.parametrize("impl", ["dense", "ragged", "blocked"])
+@pytest.mark.parametrize("impl", ["dense", "ragged", "blocked", "gmm"])
 @pytest.mark.parametrize("capacity", [None, 12])
 def test_expert_impls_match_per_token_definition(impl, capacity):
   x, logits, wg, wu, wd = _random_routing_inputs(0)
@@ -72,14 +72,14 @@ def test_expert_impls_match_per_token_definition(impl, capacity):
 def test_expert_impls_give_same_loss_and_gradients(extra):
   grads = {}
   toks = _tokens(2, T=16)
-  for impl in ("dense", "ragged", "blocked"):
+  for impl in ("dense", "ragged", "blocked", "gmm"):
     cfg = small_cfg(f"moe.expert_impl={impl}", *extra)
     graphdef, st = init_state(cfg)
     f = lambda p: forward_loss(cfg, graphdef, p, st.buffers, toks[:, :-1], toks[:, 1:])
     (loss, metrics), g = jax.value_and_grad(f, has_aux=True)(st.params)
     grads[impl] = (loss, g)
   la, ga = grads["dense"]
-  for impl in ("ragged", "blocked"):
+  for impl in ("ragged", "blocked", "gmm"):
     lb, gb = grads[impl]
     np.testing.assert_allclose(la, lb, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
