@@ -109,6 +109,7 @@ class MeshConfig:
   data: int = -1                 # -1: all remaining devices
   expert: int = 1
   model: int = 1
+  fsdp: bool = False             # also shard non-expert weights (embed dim) along `data`
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,9 +41,11 @@ class _Writers:
   """metrics.jsonl always; TensorBoard event files when tensorboardX is installed."""
 
   def __init__(self, out_dir: Path, tensorboard: bool):
-    self.jsonl = open(out_dir / "metrics.jsonl", "a")
+    # On several hosts only process 0 writes logs (orbax coordinates checkpoints itself).
+    self.main = jax.process_index() == 0
+    self.jsonl = open(out_dir / "metrics.jsonl", "a") if self.main else None
     self.tb = None
-    if tensorboard:
+    if tensorboard and self.main:
       try:
         from tensorboardX import SummaryWriter
         self.tb = SummaryWriter(str(out_dir / "tb"))
@@ -51,6 +53,8 @@ class _Writers:
         pass
 
   def write(self, record: dict):
+    if not self.main:
+      return
     self.jsonl.write(json.dumps(record) + "\n")
     self.jsonl.flush()
     if self.tb is not None:
@@ -59,7 +63,8 @@ class _Writers:
           self.tb.add_scalar(k, v, record["step"])
 
   def close(self):
-    self.jsonl.close()
+    if self.jsonl is not None:
+      self.jsonl.close()
     if self.tb is not None:
       self.tb.close()
 
@@ -85,6 +90,7 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
   t = cfg.train
   parallel.maybe_initialize_distributed()
   mesh = parallel.mesh_for_config(cfg)   # None on one device: the plain single-device path
+  rules = parallel.FSDP_RULES if cfg.mesh.fsdp else None
   out_dir = Path(t.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   save_config(cfg, out_dir / "config.yaml")
@@ -96,7 +102,7 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
   model = build_model(cfg, t.seed)
   n_params, n_active = count_params(model), active_params(cfg)
   graphdef, state = init_state(cfg, model)
-  state = parallel.place_state(mesh, state)   # restore below reads into these shardings
+  state = parallel.place_state(mesh, state, rules)   # restore below reads into these shardings
   moe_layers = model.moe_layers
   del model
   ckpt = Checkpointer(out_dir / "checkpoints", keep=t.keep_checkpoints)
@@ -107,9 +113,9 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
     if not quiet:
       print(f"resumed from {ckpt.directory}/{start}")
 
-  step_fn = parallel.jit_train_step(mesh, make_train_step(cfg, graphdef), state)
+  step_fn = parallel.jit_train_step(mesh, make_train_step(cfg, graphdef), state, rules)
   eval_fn = parallel.jit_eval_step(mesh, make_eval_step(cfg, graphdef), state.params,
-                                   state.buffers)
+                                   state.buffers, rules)
   if mesh is not None and not quiet:
     print("mesh: " + " ".join(f"{a}={n}" for a, n in mesh.shape.items())
           + f" over {mesh.size} {jax.default_backend()} devices")
