@@ -6,18 +6,20 @@ import math
 import jax
 import numpy as np
 
-from moejax.data import TokenDataset, val_batches
+from moejax.data import TokenDataset, spread_val_batches, val_batches
 
 
 def evaluate(eval_step, params, buffers, data: TokenDataset, batch_size: int, seq_len: int,
              max_batches: int | None = None) -> dict[str, float]:
   """eval_step(params, buffers, inputs, targets) -> (sum_nll_nats, count).
 
-  bits per byte counts the UTF-8 bytes of exactly the target tokens scored.
+  max_batches=None scores the whole split in order; otherwise max_batches batches of windows
+  spread evenly over it. Bits per byte counts the UTF-8 bytes of exactly the targets scored.
   """
   total_nll, total_tokens, total_bytes = 0.0, 0, 0
-  for inputs, targets in val_batches(data.val, batch_size, seq_len, max_batches,
-                                     drop_remainder=True):
+  batches = (val_batches(data.val, batch_size, seq_len, drop_remainder=True) if max_batches is None
+             else spread_val_batches(data.val, batch_size, seq_len, max_batches))
+  for inputs, targets in batches:
     nll, count = eval_step(params, buffers, inputs, targets)
     total_nll += float(nll)
     total_tokens += int(count)

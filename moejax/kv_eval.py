@@ -19,7 +19,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from moejax.config import Config
-from moejax.data import TokenDataset, train_batch, val_batches
+from moejax.data import TokenDataset, spread_val_batches, train_batch, val_batches
 from moejax.generate import TrainedModel
 from moejax.model.kv_cache import (OutlierStats, QuantizedKVCache, TeacherForcedQuantKV,
                                    kv_quant_config)
@@ -192,7 +192,8 @@ def eval_ppl(tm: TrainedModel, data: TokenDataset, settings: list[KVSetting], ra
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1).sum()
 
-  batches = list(val_batches(data.val, B, T, max_batches, drop_remainder=True))
+  batches = list(val_batches(data.val, B, T, drop_remainder=True) if max_batches is None
+                 else spread_val_batches(data.val, B, T, max_batches))
   if not batches:
     raise ValueError(f"validation split too small for one batch of {B}x{T} tokens")
   n_tokens = sum(t.size for _, t in batches)

@@ -373,3 +373,15 @@ def test_token_dataset_bytes_per_token(bpe):
   # Bits per byte from val batches: targets' byte count is exact.
   total = sum(tok.byte_count(y) for _, y in val_batches(data.val, 4, 16))
   assert total == tok.byte_count(data.val[1:(len(data.val) - 1) // 16 * 16 + 1])
+
+
+def test_spread_val_batches_cover_the_split_evenly():
+  from moejax.data import spread_val_batches
+  tokens = np.arange(10_001, dtype=np.int32)
+  batches = list(spread_val_batches(tokens, batch_size=4, seq_len=10, num_batches=5))
+  assert len(batches) == 5
+  starts = np.concatenate([x[:, 0] for x, _ in batches])
+  assert starts[0] == 0 and starts[-1] >= 9_900          # first and last window of the split
+  assert np.all(np.diff(starts) >= 10)                    # non-overlapping, in order
+  for x, y in batches:
+    np.testing.assert_array_equal(y, x + 1)

@@ -11,6 +11,7 @@ Typical use:
 
 from moejax.data.batching import Batch
 from moejax.data.batching import num_val_batches
+from moejax.data.batching import spread_val_batches
 from moejax.data.batching import TokenDataset
 from moejax.data.batching import train_batch
 from moejax.data.batching import train_batches
@@ -32,6 +33,6 @@ __all__ = [
     "Batch", "bits_per_byte", "build_tokenizer", "ByteTokenizer", "Corpus",
     "default_cache_root", "DOC_SEPARATOR", "ensure_shakespeare",
     "load_corpus", "load_shakespeare", "num_val_batches",
-    "SentencePieceTokenizer", "SHAKESPEARE_VAL_PLAYS", "TokenDataset",
+    "SentencePieceTokenizer", "SHAKESPEARE_VAL_PLAYS", "spread_val_batches", "TokenDataset",
     "Tokenizer", "train_batch", "train_batches", "val_batches",
 ]

@@ -124,3 +124,22 @@ def val_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
       window = tokens[starts[:, None] * seq_len + offsets].astype(np.int32)
       yield window[:, :-1], window[:, 1:]
   return batches()
+
+
+def spread_val_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
+                       num_batches: int) -> Iterator[Batch]:
+  """num_batches x batch_size non-overlapping windows spread evenly over the whole split.
+
+  A sample of the held-out text that covers every document, for evaluations that cannot
+  afford the whole split (in-order windows would only see its first document). Falls back
+  to every window when there are fewer than asked. Yields (inputs_BT, targets_BT) int32.
+  """
+  tokens = _check(tokens, batch_size, seq_len)
+  windows = (len(tokens) - 1) // seq_len
+  want = min(num_batches * batch_size, windows - windows % batch_size)
+  chosen = np.linspace(0, windows - 1, want).round().astype(np.int64)
+  offsets = np.arange(seq_len + 1)
+  for i in range(want // batch_size):
+    starts = chosen[i * batch_size:(i + 1) * batch_size]
+    window = tokens[starts[:, None] * seq_len + offsets].astype(np.int32)
+    yield window[:, :-1], window[:, 1:]
