@@ -124,3 +124,27 @@ def test_bf16_cache_generation_reproduces_full_forward(corpus, tmp_path):
   logits, _, _ = tm.module()(ids[:, :-1])
   np.testing.assert_array_equal(np.asarray(logits.argmax(-1))[:, 3:], ids[:, 4:])
   assert sum(c.nbytes for c in caches) > 0
+
+
+def test_cli_calibrate_eval_ppl_and_quantized_generate(corpus, tmp_path, capsys):
+  out = tmp_path / "kv"
+  overrides = SMALL + ["data.corpus=files", f"data.files={corpus}", f"train.out_dir={out}",
+                       "train.steps=2", "data.seq_len=48", "kv_cache.group_size=16",
+                       "kv_cache.residual_window=16"]
+  assert cli.main(["train", "configs/tiny.yaml", *overrides]) == 0
+  assert cli.main(["calibrate", str(out), "--batches", "1"]) == 0
+  assert (out / "kv_outliers.npz").is_file()
+  capsys.readouterr()
+  assert cli.main(["eval-ppl", str(out), "--kv", "16", "2", "--outliers", "0", "0.1",
+                   "--max-batches", "1"]) == 0
+  table = capsys.readouterr().out
+  assert "bf16" in table and "2-bit +10% fp16 ch" in table
+  rows = json.loads((out / "kv_sweep.json").read_text())
+  assert [r["bits"] for r in rows] == [16, 2, 2]
+  assert rows[1]["kv_bytes_4k"] < rows[0]["kv_bytes_4k"] / 4
+  assert (out / "ppl_vs_bits.png").is_file()
+  assert cli.main(["generate", str(out), "--prompt", "to be or", "--max-new-tokens", "3",
+                   "--kv-bits", "2", "--kv-outliers", "0.1"]) == 0
+  assert "2-bit" in capsys.readouterr().err
+  assert cli.main(["eval-ppl", str(out), "--kv", "5"]) == 2
+  assert cli.main(["eval-ppl", str(out), "--outliers", "1.0"]) == 2
