@@ -1,7 +1,47 @@
 """pallas_kernels: reusable Pallas kernels (sub-byte packing, quantized-KV decode attention, grouped matmul).
 
-Imports jax and numpy only — never moejax.
+Imports jax and numpy only — never moejax. Every kernel takes ``interpret=None``
+(compiled on GPU through Pallas' Triton lowering, interpreted on CPU) and has a
+plain ``jnp`` twin in ``pallas_kernels.reference``.
+
+Packing (``pallas_kernels.packing``): unsigned 2/3/4/8-bit codes in uint32
+words, lowest bits first; 16/10/8/4 codes per word (3-bit: bits 30-31 unused).
+Along the packed axis, pack blocks of ``stride * codes_per_word`` elements
+become ``stride`` words; element ``r`` of a block goes to word ``r % stride``,
+slot ``r // stride`` (``stride=1``: the usual contiguous layout).
+
+* ``pack(codes[..., n, ...], bits, axis, stride) -> uint32[..., n / cpw, ...]``
+  (Pallas); ``unpack`` its inverse; ``pack_jnp`` / ``unpack_jnp`` the XLA versions.
+
+KV quantization (``pallas_kernels.kv_quant``), per attention layer, keys and
+values ``[B, H, T, D]``:
+
+* ``KVQuantConfig(bits, group_size, outlier_fraction, residual_window,
+  sink_tokens, key_axis, value_axis, meta_dtype, dtype)``.
+* ``quantize_kv(k, v, config, max_len=, lengths=, k_outlier_idx=, v_outlier_idx=)
+  -> QuantizedKV``: a pytree of static shapes (capacity ``max_len``): uint32 codes
+  packed along tokens (stride 16), scales and zeros (``meta_dtype``), 16-bit
+  outlier channels and their int32 indices, a full-precision sink + window ring,
+  int32 lengths. ``.append(k_new [B, H, D], v_new)`` (jit-able; flushes whole
+  groups), ``.dequantize() -> (k, v, valid)``, ``.nbytes``, ``.bits_per_element``.
+* ``empty_kv``, ``append_kv``, ``select_outlier_channels``, ``kv_bits_per_element``.
+
+Decode attention (module ``pallas_kernels.decode_attention``; the package
+attribute of that name is the function):
+
+* ``decode_attention(q [B, Hq, D], kv: QuantizedKV) -> [B, Hq, D]``: GQA
+  (``Hq`` a multiple of ``H``), per-sequence lengths, split-K over the sequence,
+  packed codes dequantized in registers.
+* ``decode_attention_bf16(q, k [B, H, T, D], v, lengths [B]) -> [B, Hq, D]``.
 """
+
+# --- packing / KV quantization / decode attention ---
+from pallas_kernels.packing import (  # noqa: E402
+    codes_per_word, pack, pack_jnp, padded_length, unpack, unpack_jnp)
+from pallas_kernels.kv_quant import (  # noqa: E402
+    KVLayout, KVQuantConfig, QuantizedKV, append_kv, empty_kv, kv_bits_per_element,
+    quantize_kv, select_outlier_channels)
+from pallas_kernels.decode_attention import decode_attention, decode_attention_bf16  # noqa: E402
 
 # --- grouped matmul (experts) ---
 from pallas_kernels.gmm import gmm, tgmm  # noqa: E402

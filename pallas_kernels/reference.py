@@ -9,6 +9,77 @@ import jax
 import jax.numpy as jnp
 
 # --- packing / KV quantization / decode attention -------------------------
+#
+# Independent, loop-based versions of pallas_kernels.packing, kv_quant and
+# decode_attention. Layouts are documented in those modules.
+
+_CPW = {2: 16, 3: 10, 4: 8, 8: 4}
+
+
+def _slot_source(nw, bits, stride, j):
+  """Element of the packed axis held by slot j of each of the nw words."""
+  p = stride * _CPW[bits]
+  w = jnp.arange(nw)
+  return (w // stride) * p + j * stride + w % stride
+
+
+def pack(codes, bits, axis=-1, stride=1):
+  """Reference of packing.pack: element i of the axis -> word (i//P)*stride + (i%P)%stride,
+  slot (i%P)//stride, P = stride*cpw; slot j occupies bits [j*bits, (j+1)*bits)."""
+  cpw = _CPW[bits]
+  x = jnp.moveaxis(jnp.asarray(codes).astype(jnp.uint32), axis, -1)
+  n = x.shape[-1]
+  assert n % (stride * cpw) == 0
+  nw = n // cpw
+  acc = jnp.zeros(x.shape[:-1] + (nw,), jnp.uint32)
+  for j in range(cpw):
+    acc = acc | (x[..., _slot_source(nw, bits, stride, j)] << (j * bits))
+  return jnp.moveaxis(acc, -1, axis)
+
+
+def unpack(words, bits, axis=-1, stride=1, dtype=jnp.uint8):
+  """Reference of packing.unpack."""
+  cpw = _CPW[bits]
+  x = jnp.moveaxis(jnp.asarray(words), axis, -1)
+  nw = x.shape[-1]
+  out = jnp.zeros(x.shape[:-1] + (nw * cpw,), jnp.uint32)
+  for j in range(cpw):
+    out = out.at[..., _slot_source(nw, bits, stride, j)].set((x >> (j * bits)) & ((1 << bits) - 1))
+  return jnp.moveaxis(out.astype(dtype), -1, axis)
+
+
+def decode_attention(q, k, v, valid, sm_scale=None):
+  """Reference decode attention in float32.
+
+  q [B, Hq, D]; k, v [B, H, T, D]; valid bool[B, T]. Query head i uses kv-head
+  i // (Hq // H). Rows with no valid position give zeros.
+  """
+  b, hq, d = q.shape
+  h = k.shape[1]
+  g = hq // h
+  scale = (1.0 / d ** 0.5) if sm_scale is None else sm_scale
+  qg = q.astype(jnp.float32).reshape(b, h, g, d)
+  s = jnp.einsum("bhgd,bhtd->bhgt", qg, k.astype(jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST) * scale
+  s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  p = jnp.where(valid[:, None, None, :], jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+  den = jnp.sum(p, axis=-1, keepdims=True)
+  p = p / jnp.where(den > 0, den, 1.0)
+  o = jnp.einsum("bhgt,bhtd->bhgd", p, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+  return o.reshape(b, hq, d)
+
+
+def quantized_decode_attention(q, kv, sm_scale=None):
+  """Reference of decode_attention.decode_attention: dequantize the cache, then attend."""
+  k, v, valid = kv.dequantize(jnp.float32)
+  return decode_attention(q, k, v, valid, sm_scale)
+
+
+def decode_attention_bf16(q, k, v, lengths, sm_scale=None):
+  """Reference of decode_attention.decode_attention_bf16."""
+  valid = jnp.arange(k.shape[2])[None, :] < jnp.asarray(lengths)[:, None]
+  return decode_attention(q, k, v, valid, sm_scale)
 
 
 # --- grouped matmul ---------------------------------------------------------

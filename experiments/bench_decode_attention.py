@@ -1,0 +1,274 @@
+"""Decode attention on a packed, quantized KV cache vs bf16 peers, timed in one run.
+
+Usage (device machine, from the repo root):
+  PYTHONPATH=. python3 experiments/bench_decode_attention.py [--out DIR] [--quick]
+
+Times, at B in {1, 8}, context in {4k, 32k, 128k}, GQA 32 query / 8 kv heads, D = 128:
+  xla_bf16     plain jnp/XLA attention on a bf16 cache [B, H, T, D]
+  pallas_gqa   jax.experimental.pallas.ops.gpu.decode_attention.gqa (bf16, [B, T, H, D])
+  ours_bf16    pallas_kernels.decode_attention_bf16
+  ours_2b2     pallas_kernels.decode_attention, 2-bit + 2% outlier channels
+  ours_seed    pallas_kernels.decode_attention, 2-bit + 15% outlier channels (seed config)
+and a device copy (ceiling). Each figure is the median over repetitions of the
+mean time of many back-to-back calls (dispatch overlaps execution), rotating
+over enough input copies that no call reads from L2. Bytes read = the cache
+bytes the method must read (bf16: K+V; quantized: every array of the cache).
+Correctness: every kernel is first compared with the float32 reference on
+ragged lengths.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.decode_attention import decode_attention, decode_attention_bf16
+from pallas_kernels import kv_quant as kq
+from pallas_kernels import packing
+from pallas_kernels import reference
+
+HQ, HKV, D = 32, 8, 128
+# Kernel options tried on ours_2b2 at the first size (--variants); the fastest is
+# then used for every quantized timing of the run (and reported).
+VARIANTS = [dict(), dict(num_stages=1), dict(loop="slots_carry"), dict(dequant="convert")]
+
+
+def log(*a):
+  print(*a, flush=True)
+
+
+def timeit(fn, arg_sets, target_s=0.03, reps=5):
+  """Median over reps of (time of n back-to-back calls) / n, cycling over arg_sets."""
+  out = fn(*arg_sets[0])
+  jax.block_until_ready(out)
+  t0 = time.perf_counter()
+  for i in range(3):
+    out = fn(*arg_sets[i % len(arg_sets)])
+  jax.block_until_ready(out)
+  est = (time.perf_counter() - t0) / 3
+  n = int(min(400, max(10, math.ceil(target_s / max(est, 1e-6)))))
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for i in range(n):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    ts.append((time.perf_counter() - t0) / n)
+  return float(np.median(ts))
+
+
+def copies(nbytes, make, budget=256 << 20, cap=16):
+  k = int(min(cap, max(1, math.ceil(budget / max(nbytes, 1)))))
+  return [make(i) for i in range(k)]
+
+
+def copy_bandwidth(gib=2.0):
+  x = jax.random.normal(jax.random.key(0), (int(gib * (1 << 29)),), jnp.bfloat16)
+  f = jax.jit(lambda x: x + 1)
+  t = timeit(f, [(x,)], target_s=0.2)
+  return 2 * x.nbytes / t, t
+
+
+def xla_attention(q, k, v, lengths):
+  """bf16 XLA decode attention: q [B, Hq, D], k/v [B, H, T, D]."""
+  b, hq, d = q.shape
+  h, t = k.shape[1], k.shape[2]
+  qg = q.reshape(b, h, hq // h, d)
+  s = jnp.einsum("bhgd,bhtd->bhgt", qg, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+  s = jnp.where((jnp.arange(t)[None, :] < lengths[:, None])[:, None, None, :], s, -jnp.inf)
+  p = jax.nn.softmax(s, axis=-1)
+  o = jnp.einsum("bhgt,bhtd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return o.reshape(b, hq, d).astype(q.dtype)
+
+
+def rel_err(a, b):
+  a = np.asarray(a, np.float32)
+  b = np.asarray(b, np.float32)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def make_kv(key, b, t):
+  k1, k2, k3 = jax.random.split(key, 3)
+  # keys with per-channel offsets and a few large channels (as real keys have)
+  chan = jnp.exp(0.6 * jax.random.normal(k3, (1, HKV, 1, D)))
+  k = (jax.random.normal(k1, (b, HKV, t, D)) * chan + 0.5 * chan).astype(jnp.bfloat16)
+  v = jax.random.normal(k2, (b, HKV, t, D)).astype(jnp.bfloat16)
+  return k, v
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default=os.environ.get("OUT", "runs/bench_decode_attention"))
+  ap.add_argument("--quick", action="store_true", help="B=8, 32k only")
+  ap.add_argument("--sizes", default=None, help="comma list of BxT, e.g. 8x32768,1x4096")
+  ap.add_argument("--deadline", type=float, default=400.0, help="seconds; skip what would start later")
+  ap.add_argument("--copy-gib", type=float, default=2.0)
+  ap.add_argument("--variants", action="store_true", help="also time num_warps / num_splits variants")
+  args = ap.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  start = time.time()
+  dev = jax.devices()[0]
+  info = {"date": time.strftime("%Y-%m-%d"), "device": dev.device_kind, "jax": jax.__version__,
+          "backend": jax.default_backend()}
+  log("env", info)
+
+  bw, tcopy = copy_bandwidth(args.copy_gib)
+  info["copy_TBps"] = bw / 1e12
+  log(f"device copy: {bw / 1e12:.2f} TB/s ({args.copy_gib} GiB x+1, read+write, {tcopy * 1e3:.3f} ms)")
+
+  rng = np.random.default_rng(0)
+  for bits in (2, 3, 4, 8):
+    p = packing.pack_block(bits, kq.PACK_STRIDE)
+    codes = jnp.asarray(rng.integers(0, 1 << bits, size=(8, 4 * p, 128)), jnp.uint8)
+    try:
+      w = packing.pack(codes, bits, axis=1, stride=kq.PACK_STRIDE)
+      ok = bool((w == packing.pack_jnp(codes, bits, axis=1, stride=kq.PACK_STRIDE)).all()) and bool(
+          (packing.unpack(w, bits, axis=1, stride=kq.PACK_STRIDE) == codes).all())
+    except Exception as e:  # noqa: BLE001
+      ok = repr(e)[:300]
+    info[f"pack_unpack_{bits}bit_ok"] = ok
+    log(f"pack/unpack kernels {bits}-bit vs jnp: {ok}")
+
+  try:
+    from jax.experimental.pallas.ops.gpu import decode_attention as jax_da
+    gqa = jax.jit(lambda q, k, v, L: jax_da.gqa(q, k, v, kv_seq_len=L))
+  except Exception as e:  # noqa: BLE001
+    log("pallas gqa unavailable:", repr(e))
+    gqa = None
+
+  configs = {
+      "ours_2b2": kq.KVQuantConfig(bits=2, outlier_fraction=0.02),
+      "ours_seed": kq.KVQuantConfig(bits=2, outlier_fraction=0.15),
+  }
+  sizes = [(8, 32768), (1, 32768), (8, 131072), (1, 131072), (8, 4096), (1, 4096)]
+  if args.quick:
+    sizes = [(8, 32768)]
+  if args.sizes:
+    sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
+  rows = []
+  checks = {}
+  xla_fn = jax.jit(xla_attention)
+  ours_bf16 = jax.jit(lambda q, k, v, L: decode_attention_bf16(q, k, v, L))
+  best_kw = {}
+  ours_q = jax.jit(lambda q, c: decode_attention(q, c))
+  quantize = {name: jax.jit(lambda k, v, L, cfg=cfg: kq.quantize_kv(k, v, cfg, lengths=L))
+              for name, cfg in configs.items()}
+
+  for (b, t) in sizes:
+    if time.time() - start > args.deadline:
+      log(f"deadline: skipping B={b} T={t}")
+      continue
+    key = jax.random.key(b * 1000003 + t)
+    k, v = make_kv(key, b, t)
+    q = jax.random.normal(jax.random.fold_in(key, 7), (b, HQ, D), jnp.bfloat16)
+    full = jnp.full((b,), t, jnp.int32)
+    ragged = jnp.asarray(np.random.default_rng(t + b).integers(t // 2, t + 1, size=b), jnp.int32).at[0].set(t)
+    bf16_bytes = 2 * k.nbytes
+    res = {"B": b, "T": t}
+
+    # correctness on ragged lengths (same shapes as the timed calls)
+    do_check = t <= 32768
+    if do_check:
+      ref = reference.decode_attention_bf16(q, k, v, ragged)
+      checks[f"B{b}_T{t}_ours_bf16"] = rel_err(ours_bf16(q, k, v, ragged), ref)
+      checks[f"B{b}_T{t}_xla_bf16"] = rel_err(xla_fn(q, k, v, ragged), ref)
+      if gqa is not None:
+        try:
+          checks[f"B{b}_T{t}_pallas_gqa"] = rel_err(
+              gqa(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), ragged), ref)
+        except Exception as e:  # noqa: BLE001
+          log("gqa failed:", repr(e)[:400])
+          gqa = None
+
+    def bf16_sets(i, k=k, v=v):
+      return (q, k if i == 0 else jnp.copy(k), v if i == 0 else jnp.copy(v), full)
+    sets = copies(bf16_bytes, bf16_sets)
+    for name, fn, tr in (("xla_bf16", xla_fn, False), ("ours_bf16", ours_bf16, False),
+                         ("pallas_gqa", gqa, True)):
+      if fn is None:
+        continue
+      s2 = [(a[0], jnp.swapaxes(a[1], 1, 2), jnp.swapaxes(a[2], 1, 2), a[3]) for a in sets] if tr else sets
+      try:
+        tm = timeit(fn, s2)
+        res[name] = {"ms": tm * 1e3, "bytes": bf16_bytes, "TBps": bf16_bytes / tm / 1e12}
+        log(f"B={b} T={t} {name:10s} {tm * 1e3:8.3f} ms {bf16_bytes / tm / 1e12:6.2f} TB/s")
+      except Exception as e:  # noqa: BLE001
+        log(f"B={b} T={t} {name} failed: {repr(e)[:400]}")
+      del s2
+    del sets
+
+    for name, cfg in configs.items():
+      if time.time() - start > args.deadline:
+        log(f"deadline: skipping {name} B={b} T={t}")
+        continue
+      try:
+        tq = time.time()
+        if do_check:
+          cr = quantize[name](k, v, ragged)
+          out = ours_q(q, cr)
+          checks[f"B{b}_T{t}_{name}"] = rel_err(out, reference.quantized_decode_attention(q, cr))
+          checks[f"B{b}_T{t}_{name}_vs_bf16"] = rel_err(out, reference.decode_attention_bf16(q, k, v, ragged))
+          del cr
+        c = quantize[name](k, v, full)
+        nbytes = c.nbytes
+        sets = copies(nbytes, lambda i: (q, c if i == 0 else jax.tree.map(jnp.copy, c)))
+        tm = timeit(ours_q, sets)
+        res[name] = {"ms": tm * 1e3, "bytes": nbytes, "TBps": nbytes / tm / 1e12,
+                     "bits_per_element": c.bits_per_element, "setup_s": time.time() - tq}
+        log(f"B={b} T={t} {name:10s} {tm * 1e3:8.3f} ms {nbytes / tm / 1e12:6.2f} TB/s "
+            f"({c.bits_per_element:.2f} bits/elem, {time.time() - tq:.1f}s incl. compile)")
+        if args.variants and (b, t) == sizes[0] and name == "ours_2b2":
+          ref_full = reference.quantized_decode_attention(q, c)
+          best = (tm, best_kw)
+          for kw in VARIANTS:
+            if kw == best_kw:
+              continue
+            tag = ",".join(f"{a}={x}" for a, x in kw.items()) or "default"
+            f = jax.jit(lambda q, c, kw=kw: decode_attention(q, c, **kw))
+            try:
+              checks[f"B{b}_T{t}_{name}[{tag}]"] = rel_err(f(q, c), ref_full)
+              tv = timeit(f, sets)
+              res[f"{name}[{tag}]"] = {"ms": tv * 1e3, "bytes": nbytes, "TBps": nbytes / tv / 1e12}
+              log(f"   variant {tag}: {tv * 1e3:.3f} ms {nbytes / tv / 1e12:.2f} TB/s")
+              if tv < best[0]:
+                best = (tv, kw)
+            except Exception as e:  # noqa: BLE001
+              log(f"   variant {tag} failed: {repr(e)[:600]}")
+          if best[1] != best_kw:
+            best_kw = best[1]
+            ours_q = jax.jit(lambda q, c, kw=best_kw: decode_attention(q, c, **kw))
+            res[name] = dict(res[name], ms=best[0] * 1e3, TBps=nbytes / best[0] / 1e12)
+          info["kernel_options"] = best_kw
+          log(f"   using {best_kw or 'defaults'} from here on")
+        del sets, c
+      except Exception as e:  # noqa: BLE001
+        log(f"B={b} T={t} {name} failed: {repr(e)[:1500]}")
+    rows.append(res)
+    with open(os.path.join(args.out, "bench_decode_attention.json"), "w") as f:
+      json.dump({"info": info, "rows": rows, "checks": checks}, f, indent=1)
+
+  log("\nchecks (relative L2 error vs float32 reference):")
+  for kname, e in checks.items():
+    log(f"  {kname:32s} {e:.2e}")
+  log(f"\n{info}")
+  hdr = f"{'B':>2} {'T':>7} | " + " | ".join(f"{m:>20s}" for m in
+                                             ("xla_bf16", "pallas_gqa", "ours_bf16", "ours_2b2", "ours_seed"))
+  log(hdr)
+  for r in rows:
+    cells = []
+    for m in ("xla_bf16", "pallas_gqa", "ours_bf16", "ours_2b2", "ours_seed"):
+      x = r.get(m)
+      cells.append(f"{x['ms']:8.3f}ms {x['TBps']:5.2f}TB/s" if x else f"{'-':>20s}")
+    log(f"{r['B']:>2} {r['T']:>7} | " + " | ".join(cells))
+  log(f"total {time.time() - start:.0f}s")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,283 @@
+"""Sub-byte packing of unsigned integer codes into uint32 words.
+
+Layout (every function in this module, and the quantized KV cache, uses it):
+
+* Bit widths 2, 4 and 8 put ``32 // bits`` codes (16, 8, 4) in one uint32 word.
+  Bit width 3 puts 10 codes in a word; bits 30 and 31 of each word are unused
+  (always zero). ``codes_per_word(bits)`` gives the count.
+* **Lowest bits first**: slot ``j`` of a word holds bits ``[j*bits, (j+1)*bits)``.
+* The **packed axis** is chosen by the caller (``axis``). Along it, codes are
+  grouped in *pack blocks* of ``P = stride * codes_per_word(bits)`` elements,
+  which become ``stride`` consecutive words. Inside a pack block, element ``r``
+  goes to word ``r % stride``, slot ``r // stride``::
+
+      element i  ->  word (i // P) * stride + (i % P) % stride,
+                     slot (i % P) // stride
+
+  ``stride=1`` is the usual contiguous layout (codes ``4w .. 4w+3`` of an 8-bit
+  array in word ``w``). ``stride=16`` is what the KV cache uses along the token
+  axis: each of the ``codes_per_word`` slots of a 16-word tile then holds 16
+  *consecutive* tokens, so a kernel that loads a ``[16, D]`` tile of words gets
+  whole ``[16, D]`` tiles of codes with one shift and one mask per slot (no
+  reshapes, no gathers; a layout a TPU or a GPU tensor core reads as it is).
+* The length of the packed axis must be a multiple of ``P``; there is no silent
+  padding (``padded_length`` tells what to pad to).
+
+``pack``/``unpack`` are Pallas kernels (compiled on GPU, interpreted on CPU);
+``pack_jnp``/``unpack_jnp`` are the same functions in plain ``jnp`` (what XLA
+fuses into the quantizer); ``reference.pack``/``reference.unpack`` are the
+ground truth the tests compare both against.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels._platform import resolve_interpret
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+_CODES_PER_WORD = {2: 16, 3: 10, 4: 8, 8: 4}
+
+
+def check_bits(bits) -> int:
+  """Returns ``bits`` as an int, or raises ValueError for unsupported widths."""
+  if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in SUPPORTED_BITS:
+    raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+  return int(bits)
+
+
+def codes_per_word(bits: int) -> int:
+  """Codes held by one uint32 word: 16 (2-bit), 10 (3-bit), 8 (4-bit), 4 (8-bit)."""
+  return _CODES_PER_WORD[check_bits(bits)]
+
+
+def pack_block(bits: int, stride: int = 1) -> int:
+  """Elements of the packed axis that make one group of ``stride`` words."""
+  _check_stride(stride)
+  return stride * codes_per_word(bits)
+
+
+def padded_length(n: int, bits: int, stride: int = 1) -> int:
+  """Smallest length >= n that the layout can hold (a multiple of ``pack_block``)."""
+  p = pack_block(bits, stride)
+  return -(-int(n) // p) * p
+
+
+def _check_stride(stride) -> int:
+  if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:
+    raise ValueError(f"stride must be a positive int, got {stride!r}")
+  return int(stride)
+
+
+def _check_axis_len(n: int, bits: int, stride: int, what: str) -> None:
+  p = pack_block(bits, stride)
+  if n % p:
+    raise ValueError(
+        f"{what} has length {n} along the packed axis; {bits}-bit codes with "
+        f"stride {stride} need a multiple of {p} ({stride} words x "
+        f"{codes_per_word(bits)} codes). Pad it to {padded_length(n, bits, stride)} "
+        "(see packing.padded_length).")
+
+
+def check_codes_range(codes, bits: int) -> None:
+  """Raises ValueError if concrete ``codes`` fall outside ``[0, 2**bits)``.
+
+  Traced values (inside ``jit``) cannot be checked; ``pack`` then keeps only the
+  low ``bits`` bits of each code.
+  """
+  if isinstance(codes, jax.core.Tracer):
+    return
+  a = np.asarray(codes)
+  if a.size == 0:
+    return
+  if not np.issubdtype(a.dtype, np.integer):
+    raise ValueError(f"codes must be integers, got dtype {a.dtype}")
+  lo, hi = a.min(), a.max()
+  if lo < 0 or hi >= (1 << bits):
+    raise ValueError(
+        f"codes out of range for {bits}-bit packing: min {lo}, max {hi}, "
+        f"allowed [0, {(1 << bits) - 1}]")
+
+
+# --- plain jnp (XLA) versions ----------------------------------------------------
+
+
+def pack_jnp(codes: jax.Array, bits: int, axis: int = -1, stride: int = 1) -> jax.Array:
+  """``codes[..., n, ...]`` (any int dtype) -> ``uint32[..., n // cpw, ...]``."""
+  bits = check_bits(bits)
+  stride = _check_stride(stride)
+  axis = axis % codes.ndim
+  n = codes.shape[axis]
+  _check_axis_len(n, bits, stride, "codes")
+  cpw = codes_per_word(bits)
+  x = jnp.moveaxis(codes.astype(jnp.uint32) & jnp.uint32((1 << bits) - 1), axis, -1)
+  x = x.reshape(*x.shape[:-1], n // (cpw * stride), cpw, stride)
+  shifts = (jnp.arange(cpw, dtype=jnp.uint32) * bits)[:, None]
+  words = _or_reduce(x << shifts, -2)
+  words = words.reshape(*x.shape[:-3], n // cpw)
+  return jnp.moveaxis(words, -1, axis)
+
+
+def _or_reduce(x, axis):
+  return jax.lax.reduce(x, jnp.uint32(0), jax.lax.bitwise_or, (axis % x.ndim,))
+
+
+def unpack_jnp(words: jax.Array, bits: int, axis: int = -1, stride: int = 1,
+               dtype=jnp.uint8) -> jax.Array:
+  """Inverse of ``pack_jnp``: ``uint32[..., nw, ...]`` -> ``dtype[..., nw * cpw, ...]``."""
+  bits = check_bits(bits)
+  stride = _check_stride(stride)
+  if words.dtype != jnp.uint32:
+    raise ValueError(f"words must be uint32, got {words.dtype}")
+  axis = axis % words.ndim
+  nw = words.shape[axis]
+  if nw % stride:
+    raise ValueError(f"words has length {nw} along the packed axis, not a multiple of stride {stride}")
+  cpw = codes_per_word(bits)
+  x = jnp.moveaxis(words, axis, -1)
+  x = x.reshape(*x.shape[:-1], nw // stride, 1, stride)
+  shifts = (jnp.arange(cpw, dtype=jnp.uint32) * bits)[:, None]
+  codes = (x >> shifts) & jnp.uint32((1 << bits) - 1)
+  codes = codes.reshape(*x.shape[:-3], nw * cpw).astype(dtype)
+  return jnp.moveaxis(codes, -1, axis)
+
+
+# --- Pallas kernels ----------------------------------------------------------------
+
+_ROWS = 16    # words per program along the packed axis
+_COLS = 128   # elements per program across it
+
+
+def _source_rows(w, bits, stride, j):
+  """Element index (along the packed axis) held by slot ``j`` of word ``w``."""
+  p = stride * codes_per_word(bits)
+  return (w // stride) * p + j * stride + w % stride
+
+
+def _pack_kernel(c_ref, o_ref, *, bits, stride, nw, post):
+  i, k = pl.program_id(1), pl.program_id(2)
+  w = i * _ROWS + jnp.arange(_ROWS, dtype=jnp.int32)[:, None]
+  col = k * _COLS + jnp.arange(_COLS, dtype=jnp.int32)[None, :]
+  # Rows/columns past the array are masked off (never read or written); in
+  # interpret mode their indices must stay out of range rather than be clamped,
+  # or a masked-off duplicate would overwrite a real element.
+  ok = (w < nw) & (col < post)
+  acc = jnp.zeros((_ROWS, _COLS), jnp.uint32)
+  for j in range(codes_per_word(bits)):
+    c = pltriton.load(c_ref.at[_source_rows(w, bits, stride, j), col], mask=ok, other=0)
+    acc = acc | ((c & jnp.uint32((1 << bits) - 1)) << jnp.uint32(j * bits))
+  pltriton.store(o_ref.at[w, col], acc, mask=ok)
+
+
+def _unpack_kernel(w_ref, o_ref, *, bits, stride, nw, post):
+  i, k = pl.program_id(1), pl.program_id(2)
+  w = i * _ROWS + jnp.arange(_ROWS, dtype=jnp.int32)[:, None]
+  col = k * _COLS + jnp.arange(_COLS, dtype=jnp.int32)[None, :]
+  ok = (w < nw) & (col < post)
+  words = pltriton.load(w_ref.at[w, col], mask=ok, other=0)
+  for j in range(codes_per_word(bits)):
+    c = (words >> jnp.uint32(j * bits)) & jnp.uint32((1 << bits) - 1)
+    pltriton.store(o_ref.at[_source_rows(w, bits, stride, j), col], c, mask=ok)
+
+
+def _as_3d(x, axis):
+  axis = axis % x.ndim
+  pre = int(np.prod(x.shape[:axis], dtype=np.int64))
+  post = int(np.prod(x.shape[axis + 1:], dtype=np.int64))
+  return x.reshape(pre, x.shape[axis], post), axis
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "axis", "stride", "interpret"))
+def _pack_call(codes, *, bits, axis, stride, interpret):
+  x, axis = _as_3d(codes.astype(jnp.uint32), axis)
+  pre, n, post = x.shape
+  nw = n // codes_per_word(bits)
+  kernel = functools.partial(_pack_kernel, bits=bits, stride=stride, nw=nw, post=post)
+  out = pl.pallas_call(
+      kernel,
+      grid=(pre, pl.cdiv(nw, _ROWS), pl.cdiv(post, _COLS)),
+      in_specs=[pl.BlockSpec((None, n, post), lambda a, i, k: (a, 0, 0))],
+      out_specs=pl.BlockSpec((None, nw, post), lambda a, i, k: (a, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct((pre, nw, post), jnp.uint32),
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="pack_subbyte",
+  )(x)
+  shape = list(codes.shape)
+  shape[axis] = nw
+  return out.reshape(shape)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "axis", "stride", "dtype", "interpret"))
+def _unpack_call(words, *, bits, axis, stride, dtype, interpret):
+  x, axis = _as_3d(words, axis)
+  pre, nw, post = x.shape
+  n = nw * codes_per_word(bits)
+  kernel = functools.partial(_unpack_kernel, bits=bits, stride=stride, nw=nw, post=post)
+  out = pl.pallas_call(
+      kernel,
+      grid=(pre, pl.cdiv(nw, _ROWS), pl.cdiv(post, _COLS)),
+      in_specs=[pl.BlockSpec((None, nw, post), lambda a, i, k: (a, 0, 0))],
+      out_specs=pl.BlockSpec((None, n, post), lambda a, i, k: (a, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct((pre, n, post), jnp.uint32),
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="unpack_subbyte",
+  )(x)
+  shape = list(words.shape)
+  shape[axis] = n
+  return out.reshape(shape).astype(dtype)
+
+
+def pack(codes: jax.Array, bits: int, axis: int = -1, stride: int = 1, *,
+         interpret: bool | None = None) -> jax.Array:
+  """Packs unsigned ``bits``-bit codes into uint32 words along ``axis`` (Pallas kernel).
+
+  Args:
+    codes: integer array ``[..., n, ...]`` with values in ``[0, 2**bits)``; ``n``
+      (the length along ``axis``) a multiple of ``stride * codes_per_word(bits)``.
+    bits: 2, 3, 4 or 8.
+    axis: the packed axis.
+    stride: words per pack block (see the module docstring for the layout).
+    interpret: ``None`` = compiled on GPU, interpreted on CPU.
+  Returns:
+    ``uint32[..., n // codes_per_word(bits), ...]``.
+  """
+  bits = check_bits(bits)
+  stride = _check_stride(stride)
+  if codes.ndim == 0:
+    raise ValueError("codes must have at least one dimension")
+  _check_axis_len(codes.shape[axis], bits, stride, "codes")
+  check_codes_range(codes, bits)
+  if codes.size == 0:
+    shape = list(codes.shape)
+    shape[axis] //= codes_per_word(bits)
+    return jnp.zeros(shape, jnp.uint32)
+  return _pack_call(jnp.asarray(codes), bits=bits, axis=axis % codes.ndim, stride=stride,
+                    interpret=resolve_interpret(interpret))
+
+
+def unpack(words: jax.Array, bits: int, axis: int = -1, stride: int = 1, *,
+           dtype=jnp.uint8, interpret: bool | None = None) -> jax.Array:
+  """Inverse of ``pack`` (Pallas kernel): ``uint32[..., nw, ...]`` -> ``dtype[..., nw*cpw, ...]``."""
+  bits = check_bits(bits)
+  stride = _check_stride(stride)
+  words = jnp.asarray(words)
+  if words.dtype != jnp.uint32:
+    raise ValueError(f"words must be uint32, got {words.dtype}")
+  if words.ndim == 0:
+    raise ValueError("words must have at least one dimension")
+  if words.shape[axis] % stride:
+    raise ValueError(f"words has length {words.shape[axis]} along the packed axis, "
+                     f"not a multiple of stride {stride}")
+  if words.size == 0:
+    shape = list(words.shape)
+    shape[axis] *= codes_per_word(bits)
+    return jnp.zeros(shape, dtype)
+  return _unpack_call(words, bits=bits, axis=axis % words.ndim, stride=stride,
+                      dtype=jnp.dtype(dtype), interpret=resolve_interpret(interpret))

@@ -1,0 +1,105 @@
+"""pallas_kernels.decode_attention (interpret mode) vs dequantize-then-attend references."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.decode_attention import decode_attention, decode_attention_bf16
+from pallas_kernels import kv_quant as kq
+from pallas_kernels import reference
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _inputs(seed, b, h, g, t, d):
+  rng = np.random.default_rng(seed)
+  k = rng.normal(size=(b, h, t, d)) * np.exp(0.5 * rng.normal(size=(1, h, 1, d)))
+  v = rng.normal(size=(b, h, t, d))
+  q = rng.normal(size=(b, h * g, d)) * 2.0
+  return (jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32),
+          jnp.asarray(q, jnp.bfloat16))
+
+
+CASES = [
+    # bits, gqa ratio, config kwargs
+    (2, 4, dict(outlier_fraction=0.1, residual_window=16, sink_tokens=3, meta_dtype="float8_e4m3fn")),
+    (3, 1, dict(outlier_fraction=0.0, key_axis="token", value_axis="channel", meta_dtype="bfloat16")),
+    (4, 8, dict(outlier_fraction=0.05, residual_window=32, meta_dtype="float16")),
+]
+
+
+@pytest.mark.parametrize("bits,ratio,kw", CASES)
+def test_quantized_decode_attention_matches_reference(bits, ratio, kw):
+  b, h, d, t, max_len = 5, 2, 32, 180, 200
+  k, v, q = _inputs(bits * 7 + ratio, b, h, ratio, t, d)
+  cfg = kq.KVQuantConfig(bits=bits, group_size=16, **kw)
+  # ragged: full, 0, inside the sinks, inside the first window, mid-way
+  lengths = jnp.array([t, 0, 2, 20, 111])
+  cache = kq.quantize_kv(k, v, cfg, max_len=max_len, lengths=lengths)
+  out = decode_attention(q, cache, interpret=True, num_splits=3)
+  ref = reference.quantized_decode_attention(q, cache)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert not np.isnan(np.asarray(out, np.float32)).any()
+  assert (np.asarray(out[1], np.float32) == 0).all()           # length 0 -> zeros
+  for bi in (0, 2, 3, 4):
+    assert _rel(out[bi], ref[bi]) < 1e-2, bi
+
+
+@pytest.mark.slow
+def test_kernel_options_agree():
+  b, h, g, d, t = 2, 2, 4, 32, 150
+  k, v, q = _inputs(11, b, h, g, t, d)
+  cfg = kq.KVQuantConfig(bits=2, group_size=16, outlier_fraction=0.1, residual_window=16,
+                         sink_tokens=2)
+  cache = kq.quantize_kv(k, v, cfg, max_len=160, lengths=jnp.array([150, 77]))
+  ref = reference.quantized_decode_attention(q, cache)
+  for opts in (dict(loop="slots_carry", dequant="convert", operands="bf16"),
+               dict(loop="unrolled", num_splits=1)):
+    out = decode_attention(q, cache, interpret=True, **opts)
+    assert _rel(out, ref) < 1e-2, opts
+
+
+def test_decode_after_streaming_appends():
+  """The kernel reads a cache built by append (ring window wrapped, groups flushed)."""
+  b, h, g, d = 2, 2, 2, 32
+  k, v, q = _inputs(5, b, h, g, 120, d)
+  cfg = kq.KVQuantConfig(bits=2, group_size=16, outlier_fraction=0.1, residual_window=16,
+                         sink_tokens=2)
+  c = kq.quantize_kv(k[:, :, :10], v[:, :, :10], cfg, max_len=128)
+  step = jax.jit(kq.append_kv)
+  for i in range(10, 120):
+    c = step(c, k[:, :, i], v[:, :, i])
+  out = decode_attention(q, c, interpret=True)
+  assert _rel(out, reference.quantized_decode_attention(q, c)) < 1e-2
+
+
+@pytest.mark.parametrize("ratio", [1, 4, 8])
+def test_bf16_decode_attention_matches_reference(ratio):
+  b, h, d, t = 3, 2, 32, 130
+  k, v, q = _inputs(ratio, b, h, ratio, t, d)
+  k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  lengths = jnp.array([t, 1, 64])
+  out = decode_attention_bf16(q, k, v, lengths, interpret=True, num_splits=2, block_k=32)
+  ref = reference.decode_attention_bf16(q, k, v, lengths)
+  assert _rel(out, ref) < 1e-2
+
+
+def test_errors():
+  cfg = kq.KVQuantConfig(bits=2, group_size=16, outlier_fraction=0.0)
+  cache = kq.empty_kv(cfg, 2, 2, 32, 64)
+  with pytest.raises(ValueError, match="multiple of kv heads"):
+    decode_attention(jnp.zeros((2, 3, 32)), cache, interpret=True)
+  with pytest.raises(ValueError, match="does not match the cache"):
+    decode_attention(jnp.zeros((2, 4, 16)), cache, interpret=True)
+  with pytest.raises(ValueError, match=r"\[B, Hq, D\]"):
+    decode_attention(jnp.zeros((2, 4)), cache, interpret=True)
+  with pytest.raises(ValueError, match="loop"):
+    decode_attention(jnp.zeros((2, 4, 32)), cache, loop="fast", interpret=True)
+  k = jnp.zeros((2, 2, 64, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match="lengths"):
+    decode_attention_bf16(jnp.zeros((2, 4, 32)), k, k, jnp.zeros((3,), jnp.int32))
+  with pytest.raises(ValueError, match="block_k"):
+    decode_attention_bf16(jnp.zeros((2, 4, 32)), k, k, jnp.zeros((2,), jnp.int32), block_k=48)

@@ -1,0 +1,98 @@
+"""pallas_kernels.packing: Pallas pack/unpack (interpret mode) and jnp versions vs reference."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pallas_kernels import packing, reference
+
+BITS = (2, 3, 4, 8)
+
+
+@st.composite
+def packing_case(draw):
+  bits = draw(st.sampled_from(BITS))
+  stride = draw(st.sampled_from((1, 2, 16)))
+  ndim = draw(st.integers(1, 3))
+  axis = draw(st.integers(0, ndim - 1))
+  shape = [draw(st.integers(1, 4)) for _ in range(ndim)]
+  shape[axis] = packing.pack_block(bits, stride) * draw(st.integers(1, 3))
+  seed = draw(st.integers(0, 2**31 - 1))
+  codes = np.random.default_rng(seed).integers(0, 1 << bits, size=shape).astype(np.uint8)
+  return bits, stride, axis, codes
+
+
+def _pallas_round_trip(bits, stride, axis, codes):
+  words = packing.pack(codes, bits, axis=axis, stride=stride, interpret=True)
+  ref = reference.pack(codes, bits, axis=axis, stride=stride)
+  assert words.dtype == jnp.uint32
+  np.testing.assert_array_equal(np.asarray(words), np.asarray(ref))
+  back = packing.unpack(words, bits, axis=axis, stride=stride, interpret=True)
+  np.testing.assert_array_equal(np.asarray(back), codes)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_pallas_pack_unpack_every_width(bits):
+  rng = np.random.default_rng(bits)
+  n = packing.pack_block(bits, 16) * 2
+  _pallas_round_trip(bits, 16, 1, rng.integers(0, 1 << bits, size=(3, n, 5)).astype(np.uint8))
+
+
+@settings(max_examples=5, deadline=None)
+@given(packing_case())
+def test_pallas_pack_unpack_round_trip(case):
+  _pallas_round_trip(*case)
+
+
+@settings(max_examples=8, deadline=None)
+@given(packing_case())
+def test_jnp_pack_unpack_matches_reference(case):
+  bits, stride, axis, codes = case
+  words = packing.pack_jnp(codes, bits, axis=axis, stride=stride)
+  np.testing.assert_array_equal(np.asarray(words),
+                                np.asarray(reference.pack(codes, bits, axis=axis, stride=stride)))
+  np.testing.assert_array_equal(np.asarray(packing.unpack_jnp(words, bits, axis=axis, stride=stride)),
+                                codes)
+  np.testing.assert_array_equal(
+      np.asarray(reference.unpack(words, bits, axis=axis, stride=stride)), codes)
+
+
+def test_layout_lowest_bits_first_and_3bit_spare_bits():
+  # contiguous layout: code i of the axis in word i // cpw, bits [(i % cpw) * bits, ...)
+  codes = np.arange(16, dtype=np.uint8) % 4
+  w = int(np.asarray(packing.pack_jnp(codes, 2))[0])
+  assert [(w >> (2 * j)) & 3 for j in range(16)] == list(codes)
+  c3 = np.full((20,), 7, np.uint8)
+  w3 = np.asarray(packing.pack(c3, 3, interpret=True))
+  assert w3.shape == (2,) and all(int(x) == (1 << 30) - 1 for x in w3)   # bits 30, 31 unused
+  # stride 16: slot j of word-row r holds element 16 * j + r of the pack block
+  c = np.random.default_rng(0).integers(0, 4, size=(256,)).astype(np.uint8)
+  w = np.asarray(packing.pack_jnp(c, 2, stride=16))
+  for r in range(16):
+    for j in range(16):
+      assert (int(w[r]) >> (2 * j)) & 3 == c[16 * j + r]
+
+
+def test_codes_per_word_and_bits_per_code():
+  assert {b: packing.codes_per_word(b) for b in BITS} == {2: 16, 3: 10, 4: 8, 8: 4}
+
+
+def test_errors():
+  with pytest.raises(ValueError, match="bits must be one of"):
+    packing.pack(np.zeros(16, np.uint8), 5)
+  with pytest.raises(ValueError, match="bits must be one of"):
+    packing.codes_per_word(1)
+  with pytest.raises(ValueError, match="out of range"):
+    packing.pack(np.full(16, 4, np.uint8), 2, interpret=True)
+  with pytest.raises(ValueError, match="out of range"):
+    packing.pack(np.full(8, -1, np.int32), 4, interpret=True)
+  with pytest.raises(ValueError, match="multiple of 10.*Pad it to 20"):
+    packing.pack(np.zeros(12, np.uint8), 3, interpret=True)
+  with pytest.raises(ValueError, match="multiple of 256"):
+    packing.pack_jnp(jnp.zeros((2, 128), jnp.uint8), 2, axis=1, stride=16)
+  with pytest.raises(ValueError, match="uint32"):
+    packing.unpack(np.zeros(4, np.int32), 2)
+  with pytest.raises(ValueError, match="stride"):
+    packing.pack(np.zeros(16, np.uint8), 2, stride=0)
+  assert packing.padded_length(12, 3) == 20
+  assert packing.padded_length(300, 2, stride=16) == 512
