@@ -527,8 +527,8 @@ def append_kv(cache: QuantizedKV, k_new: jax.Array, v_new: jax.Array) -> Quantiz
   k_new, v_new: ``[B, H, D]``. The token goes to its sink slot or window ring
   slot; if the window then holds ``R + G`` tokens, its oldest ``G`` tokens are
   quantized as one group (outlier channels from the cache's indices). Appending
-  to a full cache (``lengths == max_len``) is not checked under jit and leaves
-  the cache unchanged except for the full-precision ring.
+  to a full cache (``lengths == max_len``) cannot raise under jit: the token is
+  dropped and the cache is returned unchanged.
   """
   layout = cache.layout
   cfg = layout.config
@@ -542,8 +542,9 @@ def append_kv(cache: QuantizedKV, k_new: jax.Array, v_new: jax.Array) -> Quantiz
   slot = jnp.where(L < s, L, s + jnp.mod(L - s, wc))
   bi = jnp.arange(b)
   fd = _fp_dtype(cfg)
-  k_fp = cache.k_fp.at[bi, :, slot, :].set(k_new.astype(fd))
-  v_fp = cache.v_fp.at[bi, :, slot, :].set(v_new.astype(fd))
+  room = (L < layout.max_len)[:, None, None]            # a full cache keeps its window
+  k_fp = cache.k_fp.at[bi, :, slot, :].set(jnp.where(room, k_new.astype(fd), cache.k_fp[bi, :, slot, :]))
+  v_fp = cache.v_fp.at[bi, :, slot, :].set(jnp.where(room, v_new.astype(fd), cache.v_fp[bi, :, slot, :]))
   L1 = jnp.minimum(L + 1, layout.max_len)
   nq0, nq1 = layout.num_quantized(L), layout.num_quantized(L1)
   flush = nq1 > nq0                                        # [B]
