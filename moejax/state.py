@@ -98,7 +98,7 @@ def update_router_biases(cfg: Config, graphdef, params, buffers, load_LE):
   model = nnx.merge(graphdef, params, buffers)
   moe_blocks = [b for b in model.blocks if b.is_moe]
   for block, load_E in zip(moe_blocks, load_LE):
-    block.ffn.bias_E.value = routing.bias_update(block.ffn.bias_E[...], load_E,
+    block.ffn.bias_E[...] = routing.bias_update(block.ffn.bias_E[...], load_E,
                                                  cfg.moe.bias_update_rate)
   return split_model(model)[2]
 

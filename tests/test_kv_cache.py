@@ -102,7 +102,7 @@ def test_calibration_finds_planted_outlier_channels():
   planted = [5, 17]
   wk = st.params["blocks"][0]["attn"]["wk_DKd"]
   cols = [32 + c for c in planted]
-  wk.value = wk.value.at[:, cols].multiply(50.0)
+  wk[...] = wk[...].at[:, cols].multiply(50.0)
   model = nnx.merge(graphdef, st.params, st.buffers)
   caches = [OutlierStats.create(2, 32) for _ in range(2)]
   tokens = jax.random.randint(jax.random.key(3), (4, 32), 0, 256)
