@@ -243,6 +243,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
   return from_dict(data)
 
 
+def with_overrides(cfg: Config, overrides: list[str]) -> Config:
+  """cfg with `key.sub=value` overrides applied (and validated)."""
+  return from_dict(_merge(cfg.to_dict(), parse_overrides(overrides))) if overrides else cfg
+
+
 def save_config(cfg: Config, path: str | Path) -> None:
   Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 

@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.checkpoint import Checkpointer, load_run_config
-from moejax.config import Config
+from moejax.config import Config, with_overrides
 from moejax.data import Tokenizer
 from moejax.model.kv_cache import DenseKVCache
 from moejax.run_io import load_tokenizer
@@ -36,10 +36,7 @@ def load_trained(run_dir: str | Path, overrides: list[str] | None = None) -> Tra
   run_dir = Path(run_dir)
   if not (run_dir / "checkpoints").is_dir():
     raise FileNotFoundError(f"{run_dir} is not a run directory (no checkpoints/ inside)")
-  cfg = load_run_config(run_dir)
-  if overrides:
-    from moejax.config import from_dict, _merge, parse_overrides
-    cfg = from_dict(_merge(cfg.to_dict(), parse_overrides(overrides)))
+  cfg = with_overrides(load_run_config(run_dir), overrides or [])
   graphdef, template = init_state(cfg)
   state, meta = Checkpointer(run_dir / "checkpoints").restore(template, cfg)
   return TrainedModel(cfg, graphdef, state.params, state.buffers, load_tokenizer(cfg, run_dir),

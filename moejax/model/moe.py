@@ -33,20 +33,26 @@ class MoE(nnx.Module):
                          param_dtype=param_dtype) if cfg.num_shared_experts else None
     self.dtype = dtype
 
+  def slots_per_expert(self, num_tokens: int) -> int | None:
+    """Capacity of each expert for `num_tokens` tokens; None when dropless."""
+    cfg = self.cfg
+    if cfg.capacity_factor <= 0:
+      return None
+    k = cfg.max_k if cfg.routing == "top_p" else cfg.top_k
+    return capacity_for(num_tokens, k, cfg.num_experts, cfg.capacity_factor)
+
   def route(self, x_TD) -> routing.Routing:
     cfg = self.cfg
     logits_TE = x_TD.astype(jnp.float32) @ self.router_DE[...]
-    T = x_TD.shape[0]
-    cap = capacity_for(T, cfg.top_k if cfg.routing != "top_p" else cfg.max_k, cfg.num_experts,
-                       cfg.capacity_factor) if cfg.capacity_factor > 0 else None
     return routing.route(logits_TE, mode=cfg.routing, top_k=cfg.top_k, renormalize=cfg.renormalize,
                          top_p=cfg.top_p, max_k=cfg.max_k,
-                         bias_E=None if self.bias_E is None else self.bias_E[...], capacity=cap)
+                         bias_E=None if self.bias_E is None else self.bias_E[...],
+                         capacity=self.slots_per_expert(x_TD.shape[0]))
 
   def experts(self, x_TD, r: routing.Routing):
     c = lambda p: p[...].astype(self.dtype)
-    cap = x_TD.shape[0] if self.cfg.capacity_factor <= 0 else capacity_for(
-        x_TD.shape[0], r.expert_TK.shape[1], self.cfg.num_experts, self.cfg.capacity_factor)
+    # Dropless: a token picks an expert at most once, so T slots per expert always suffice.
+    cap = self.slots_per_expert(x_TD.shape[0]) or x_TD.shape[0]
     return expert_ffn(self.cfg.expert_impl, x_TD, r.expert_TK, r.weight_TK, r.keep_TK,
                       c(self.w_gate_EDF), c(self.w_up_EDF), c(self.w_down_EFD), capacity=cap)
 
