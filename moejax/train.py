@@ -124,6 +124,7 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
   load_sum = np.zeros((len(moe_layers), cfg.moe.num_experts))
   run_load = np.zeros_like(load_sum)
   dropped_sum = np.zeros(len(moe_layers))
+  interval_steps = 0  # steps accumulated in load_sum / dropped_sum since the last log record
   last_eval: dict = {}
   step = start
   tokens_done, t0 = 0, None
@@ -151,25 +152,27 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
         load_sum += load
         run_load += load
         dropped_sum += np.asarray(m["dropped_L"])
+        interval_steps += 1
       if step % t.log_every == 0 or step == t.steps:
         elapsed = time.perf_counter() - t0 if t0 else 0.0
         record = {"step": step, "loss": loss, "aux_loss": float(m["aux_loss"]),
                   "z_loss": float(m["z_loss"]), "grad_norm": float(m["grad_norm"]),
                   "lr": float(m["lr"]), "tokens_per_s": tokens_done / elapsed if elapsed else 0.0}
         if moe_layers:
-          n = t.log_every
-          record.update(_load_stats(load_sum, dropped_sum / n))
+          record.update(_load_stats(load_sum, dropped_sum / max(interval_steps, 1)))
           record["experts_per_token"] = float(m["experts_per_token"])
           load_sum[:] = 0
           dropped_sum[:] = 0
+          interval_steps = 0
         writers.write(record)
         pbar.set_postfix(loss=f"{loss:.3f}", aux=f"{record['aux_loss']:.3f}",
                          tok_s=f"{record['tokens_per_s']:.0f}")
       if step % t.eval_every == 0 or step == t.steps:
         last_eval = evaluate(eval_fn, state.params, state.buffers, data, B, T, t.eval_batches)
         writers.write({"step": step, **last_eval})
-        pbar.write(f"step {step}: val loss {last_eval['val_loss']:.4f} "
-                   f"bpb {last_eval['val_bpb']:.4f}") if not quiet else None
+        if not quiet:
+          pbar.write(f"step {step}: val loss {last_eval['val_loss']:.4f} "
+                     f"bpb {last_eval['val_bpb']:.4f}")
       if step % t.checkpoint_every == 0 or step == t.steps:
         save()
       pbar.update(1)
