@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode_attention import (HKV, HQ, D, copy_bandwidth, make_kv, rel_err, timeit,  # noqa: E402
+from bench_decode_attention import (HQ, D, copy_bandwidth, make_kv, rel_err, timeit,  # noqa: E402
                                     xla_attention)
 from pallas_kernels import kv_quant as kq  # noqa: E402
 from pallas_kernels.decode_attention import decode_attention  # noqa: E402

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from moejax.config import Config, from_dict

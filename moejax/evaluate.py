@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import math
 
-import jax
-import numpy as np
 
 from moejax.data import TokenDataset, spread_val_batches, val_batches
 

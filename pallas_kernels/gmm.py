@@ -50,7 +50,6 @@ def _use_tpu(interpret: bool) -> bool:
 def _gmm_call(lhs_MK, rhs, group_sizes_E, *, n, transpose_rhs, out_dtype, tiling,
               interpret, scales=None, bits=None, scale_group=None):
   m = lhs_MK.shape[0]
-  e = rhs.shape[0]
   if _use_tpu(interpret):
     from pallas_kernels import gmm_tpu  # only where a TPU is present
     if bits is not None:  # no in-kernel dequantization on TPU yet

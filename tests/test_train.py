@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from moejax import cli, train as train_mod
-from moejax.checkpoint import CheckpointMismatchError, Checkpointer
+from moejax.checkpoint import Checkpointer
 from moejax.config import load_config
 from moejax.generate import generate, load_trained
 from moejax.state import init_state

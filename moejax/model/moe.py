@@ -2,7 +2,6 @@
 shared experts, load-balancing statistics."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
