@@ -43,6 +43,8 @@ from pallas_kernels import kv_quant as kq
 from pallas_kernels._platform import resolve_interpret
 
 NEG = -1e30
+LOG2E = 1.4426950408889634
+_FMA_OUTLIERS = 4         # up to this many outlier channels: CUDA-core updates, not a dot
 _TARGET_PROGRAMS = 512     # ~4 per SM on an H200 (132 SMs)
 
 
@@ -51,187 +53,184 @@ def _np2(n: int) -> int:
 
 
 def _tile(ref, rows, cols, nrows, ncols, dtype=None):
-  """Loads ref[rows, cols] (1-D index vectors), zero outside [0, nrows) x [0, ncols)."""
+  """Loads ref[rows, cols] (1-D index vectors), zero outside [0, nrows) x [0, ncols).
+
+  A bound of ``None`` means the index is known to be in range (no mask).
+  """
   r = rows[:, None]
   c = cols[None, :]
-  x = pltriton.load(ref.at[r, c], mask=(r < nrows) & (c < ncols), other=jnp.zeros((), ref.dtype))
+  mask = None
+  if nrows is not None:
+    mask = r < nrows
+  if ncols is not None:
+    mask = (c < ncols) if mask is None else mask & (c < ncols)
+  if mask is None:
+    x = pltriton.load(ref.at[r, c])
+  else:
+    x = pltriton.load(ref.at[r, c], mask=mask, other=jnp.zeros((), ref.dtype))
   return x if dtype is None else x.astype(dtype)
 
 
-def _dot_t(a, b, operands="bf16"):
-  """a [M, K] . b[N, K]^T -> f32 [M, N], f32 accumulation.
-
-  operands="bf16" rounds both to bf16; "tf32" feeds float32 registers to the
-  tensor cores as tf32 (no conversion instructions; 10-bit mantissa).
-  """
-  dt = jnp.bfloat16 if operands == "bf16" else jnp.float32
-  return pltriton.dot(a.astype(dt), b.astype(dt), trans_b=True)
+def _dot_t(a, b):
+  """a [M, K] . b[N, K]^T -> f32 [M, N]; bf16 operands, f32 accumulation."""
+  return pltriton.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), trans_b=True)
 
 
-def _dot(a, b, operands="bf16"):
-  dt = jnp.bfloat16 if operands == "bf16" else jnp.float32
-  return pltriton.dot(a.astype(dt), b.astype(dt))
-
-
-def _codes(w, j, bits, dequant):
-  """Slot j of uint32 words w, as float32.
-
-  dequant="convert": the code c itself (shift, mask, int->float conversion).
-  dequant="magic": 1 + c * 2**-bits, built by moving the code into the top
-  mantissa bits of 1.0f (shift, and/or; no conversion instruction, which runs
-  at a quarter of the integer rate on recent GPUs). The caller folds the
-  affine map into the scale and zero (see ``_magic_meta``).
-  """
-  m = (1 << bits) - 1
-  if dequant == "convert":
-    return ((w >> jnp.uint32(j * bits)) & jnp.uint32(m)).astype(jnp.float32)
-  sh = (23 - bits) - j * bits
-  t = (w << jnp.uint32(sh)) if sh >= 0 else (w >> jnp.uint32(-sh))
-  t = (t & jnp.uint32(m << (23 - bits))) | jnp.uint32(0x3F800000)
-  return jax.lax.bitcast_convert_type(t, jnp.float32)
-
-
-def _codes_dyn(w, j, bits, dequant):
-  """``_codes`` for a traced slot index j."""
-  m = (1 << bits) - 1
-  w = w >> (j * bits).astype(jnp.uint32)
-  if dequant == "convert":
-    return (w & jnp.uint32(m)).astype(jnp.float32)
-  t = ((w << jnp.uint32(23 - bits)) & jnp.uint32(m << (23 - bits))) | jnp.uint32(0x3F800000)
-  return jax.lax.bitcast_convert_type(t, jnp.float32)
-
-
-def _magic_meta(s, z, bits, dequant):
-  """(scale, zero) such that value = _codes(...) * scale + zero."""
-  if dequant == "convert":
-    return s, z
-  s2 = s * float(1 << bits)
-  return s2, z - s2
+def _dot(a, b):
+  return pltriton.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
 
 
 def _softmax_update(carry, s):
-  """Online softmax over one block of scores s [G, N]; returns (carry', p)."""
+  """Online softmax over one block of scores s [G, N] in log2 units (the query is
+  pre-scaled by log2(e), so exp2, one MUFU op, replaces exp); returns (carry', p)."""
   m, l, accs = carry
   m_new = jnp.maximum(m, jnp.max(s, axis=1))
-  corr = jnp.exp(m - m_new)
-  p = jnp.exp(s - m_new[:, None])
+  corr = jnp.exp2(m - m_new)
+  p = jnp.exp2(s - m_new[:, None])
   l = l * corr + jnp.sum(p, axis=1)
   accs = tuple(a * corr[:, None] for a in accs)
   return (m_new, l, accs), p
 
 
+# --- dequantization in registers --------------------------------------------------------
+#
+# A code c of b <= 4 bits is turned into bf16 by placing it in the top mantissa
+# bits of 1.0: v = 1 + c * 2**-b (exact), then t = v - 1 = c * 2**-b (exact) and
+# x = t * s2 + z with s2 = s * 2**b (exact for bf16/fp8 scales): one rounding,
+# as good as bf16 gets. (Folding the -1 into the zero point saves an instruction
+# but rounds z - s2, up to 5x the error of bf16(x).) On the GPU one 32-bit
+# register holds the uint16 code words of two neighbouring channels, and four
+# instructions make two bf16 values: a rotate that brings slot j's codes to the
+# top mantissa bits of both halves, a lop3 that masks them and ORs in 1.0, and
+# two bf16x2 fmas. (Per-element shifts, masks, int->float and f32->bf16
+# conversions were what held the first version of this kernel back.)
+
+
+def _dequant_asm(bits):
+  top = ((1 << bits) - 1) << (7 - bits)
+  mask = top | (top << 16)
+  return ("{ .reg .b32 t, one, neg; mov.b32 one, 0x3f803f80; mov.b32 neg, 0xbf80bf80; "
+          "shf.r.wrap.b32 t, $1, $1, $2; "
+          f"lop3.b32 t, t, {mask:#010x}, 0x3f803f80, 0xea; "
+          "fma.rn.bf16x2 t, t, one, neg; "
+          "fma.rn.bf16x2 $0, t, $3, $4; }")
+
+
+def _dequant_meta(s, z, bits):
+  """float32 scale, zero -> the (s2, z2) operands of ``_dequant`` (done on the small
+  metadata tile, before it is broadcast to the code tile)."""
+  if bits == 8:
+    return s, z
+  return (s * float(1 << bits)).astype(jnp.bfloat16), z.astype(jnp.bfloat16)
+
+
+def _dequant(words, j, s2, z2, bits, use_asm):
+  """Slot j (traced) of uint16 code words [N, C] -> bf16 [N, C] = s * code + z.
+
+  s2, z2: from ``_dequant_meta``, already broadcast to [N, C].
+  """
+  shape = words.shape
+  if bits == 8:      # the code does not fit a bf16 mantissa: plain conversion
+    c = (words.astype(jnp.uint32) >> (j * bits).astype(jnp.uint32)) & jnp.uint32(0xFF)
+    return (c.astype(jnp.float32) * s2 + z2).astype(jnp.bfloat16)
+  if use_asm:
+    rot = jnp.mod(j * bits - (7 - bits), 32).astype(jnp.uint16)
+    [out] = pltriton.elementwise_inline_asm(
+        _dequant_asm(bits), args=[words, jnp.broadcast_to(rot, shape), s2, z2],
+        constraints="=r,r,r,r,r", pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.bfloat16)])
+    return out
+  # The same arithmetic in plain jnp (interpret mode, or any backend without PTX).
+  c = (words.astype(jnp.uint32) >> (j * bits).astype(jnp.uint32)) & jnp.uint32((1 << bits) - 1)
+  t = c.astype(jnp.float32) * (1.0 / (1 << bits))
+  return (t * s2.astype(jnp.float32) + z2.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
 # --- quantized kernel -------------------------------------------------------------------
 
 
-def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, num_groups_tok,
-                  dequant, operands, loop):
+def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_asm):
   r = dict(zip(names, refs))
   cfg = lay.config
-  bits, cpw, P, G = cfg.bits, lay.cpw, lay.pack_tokens, cfg.group_size
+  bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
+  T = kq.PACK_STRIDE                                    # tokens per slot (one loop step)
   S, R, cq, dp, dl, n_out = cfg.sink_tokens, cfg.residual_window, lay.cq, lay.d_pad, lay.d_low, lay.n_out
   sidx = pl.program_id(2)
   L = r["lengths"][0]
   nq = jnp.minimum(jnp.maximum(L - S - R, 0) // G * G, cq)
-  ar16 = jnp.arange(16, dtype=jnp.int32)
+  arT = jnp.arange(T, dtype=jnp.int32)
   cols = jnp.arange(dt, dtype=jnp.int32)
   ocols = jnp.arange(nop, dtype=jnp.int32)
+  colmask = None if dp == dt else dp            # code/scale columns past D_pad
+  omask = None if nop == n_out else n_out
 
   def init():
     accs = (jnp.zeros((gp, dt), jnp.float32),) + ((jnp.zeros((gp, nop), jnp.float32),) if n_out else ())
     return (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32), accs)
 
   def meta(name, axis, t0):
-    """Scale and zero for the 16 tokens starting at quantized index t0: [1|16, dt] f32."""
+    """Dequantization operands (``_dequant_meta``) for the T tokens from quantized
+    index t0, broadcast to [T, dt]."""
+    sref, zref = r[f"{name}_scale"], r[f"{name}_zero"]
     if axis == "channel":
-      row = jnp.full((1,), t0 // G, jnp.int32)
-      s = _tile(r[f"{name}_scale"], row, cols, cq // G, dp, jnp.float32)
-      z = _tile(r[f"{name}_zero"], row, cols, cq // G, dp, jnp.float32)
-      return _magic_meta(s, z, bits, dequant)
+      n = max(1, T // G)                          # group rows in this slot
+      rows = t0 // G + jnp.arange(n, dtype=jnp.int32)
+      s, z = (_tile(ref, rows, cols, None, colmask, jnp.float32) for ref in (sref, zref))
+      s, z = _dequant_meta(s, z, bits)
+      if n == 1:
+        return jnp.broadcast_to(s, (T, dt)), jnp.broadcast_to(z, (T, dt))
+      return tuple(jnp.broadcast_to(x[:, None, :], (n, G, dt)).reshape(T, dt) for x in (s, z))
     ngp = dt // G
     gcols = jnp.arange(ngp, dtype=jnp.int32)
-    rows = t0 + ar16
-    s = _tile(r[f"{name}_scale"], rows, gcols, cq, num_groups_tok, jnp.float32)
-    z = _tile(r[f"{name}_zero"], rows, gcols, cq, num_groups_tok, jnp.float32)
-    s, z = _magic_meta(s, z, bits, dequant)
-    s = jnp.broadcast_to(s[:, :, None], (16, ngp, G)).reshape(16, dt)
-    z = jnp.broadcast_to(z[:, :, None], (16, ngp, G)).reshape(16, dt)
-    return s, z
+    gmask = None if ngp == lay.n_groups_tok else lay.n_groups_tok
+    s, z = (_tile(ref, t0 + arT, gcols, None, gmask, jnp.float32) for ref in (sref, zref))
+    s, z = _dequant_meta(s, z, bits)
+    return tuple(jnp.broadcast_to(x[:, :, None], (T, ngp, G)).reshape(T, dt) for x in (s, z))
 
   def quant_part():
     q_lo = r["q_lo"][...]
     q_out = r["q_out"][...] if n_out else None
-    blk0 = sidx * bps
-    nblk = jnp.clip((nq - blk0 * P + P - 1) // P, 0, bps)
+    fma_out = 0 < n_out <= _FMA_OUTLIERS
+    if fma_out:
+      q_cols = [jnp.sum(jnp.where(ocols[None, :] == c, q_out.astype(jnp.float32), 0.0), axis=1)
+                for c in range(n_out)]
+    slot0 = sidx * bps
+    nslot = jnp.clip((nq - slot0 * T + T - 1) // T, 0, bps)
 
     def body(i, carry):
-      blk = blk0 + i
-      wrows = blk * 16 + ar16
-      kw = _tile(r["k_codes"], wrows, cols, cq // cpw, dp)
-      vw = _tile(r["v_codes"], wrows, cols, cq // cpw, dp)
-      scores = []
-      for j in range(cpw):
-        t0 = blk * P + j * 16
-        kc = _codes(kw, j, bits, dequant)
-        ks, kz = meta("k", cfg.key_axis, t0)
-        s = _dot_t(q_lo, kc * ks + kz, operands)
-        if n_out:
-          ko = _tile(r["k_outliers"], t0 + ar16, ocols, cq, n_out)
-          s = s + _dot_t(q_out, ko, operands)
-        scores.append(jnp.where(t0 < nq, s, NEG))
-      m, l, accs = carry
-      m_blk = functools.reduce(jnp.maximum, [jnp.max(s, axis=1) for s in scores])
-      m_new = jnp.maximum(m, m_blk)
-      corr = jnp.exp(m - m_new)
-      l = l * corr
-      accs = [a * corr[:, None] for a in accs]
-      for j in range(cpw):
-        t0 = blk * P + j * 16
-        p = jnp.exp(scores[j] - m_new[:, None])
-        l = l + jnp.sum(p, axis=1)
-        vc = _codes(vw, j, bits, dequant)
-        vs, vz = meta("v", cfg.value_axis, t0)
-        accs[0] = accs[0] + _dot(p, vc * vs + vz, operands)
-        if n_out:
-          vo = _tile(r["v_outliers"], t0 + ar16, ocols, cq, n_out)
-          accs[1] = accs[1] + _dot(p, vo, operands)
-      return (m_new, l, tuple(accs))
-
-    def slot_body(i, carry):
-      # One 16-token slot per iteration: slot j of pack tile blk.
-      m, l, accs, kw, vw = carry
-      blk = blk0 + jax.lax.div(i, jnp.int32(cpw))      # i >= 0: truncation is floor
-      j = jax.lax.rem(i, jnp.int32(cpw))
-      t0 = blk * P + j * 16
-      wrows = blk * 16 + ar16
-      if loop == "slots":
-        kw = _tile(r["k_codes"], wrows, cols, cq // cpw, dp)
-        vw = _tile(r["v_codes"], wrows, cols, cq // cpw, dp)
-      else:   # "slots_carry": reload the word tiles only at slot 0
-        kw, vw = jax.lax.cond(
-            j == 0,
-            lambda: (_tile(r["k_codes"], wrows, cols, cq // cpw, dp),
-                     _tile(r["v_codes"], wrows, cols, cq // cpw, dp)),
-            lambda: (kw, vw))
+      gs = slot0 + i                             # global slot: tokens [gs*T, gs*T + T)
+      t0 = gs * T
+      j = jax.lax.rem(gs, jnp.int32(cpw))
+      wrows = jax.lax.div(gs, jnp.int32(cpw)) * T + arT
       ks, kz = meta("k", cfg.key_axis, t0)
-      s = _dot_t(q_lo, _codes_dyn(kw, j, bits, dequant) * ks + kz, operands)
-      if n_out:
-        ko = _tile(r["k_outliers"], t0 + ar16, ocols, cq, n_out)
-        s = s + _dot_t(q_out, ko, operands)
-      (m, l, accs), p = _softmax_update((m, l, accs), s)
+      kw = _tile(r["k_codes"], wrows, cols, None, colmask)
+      s = _dot_t(q_lo, _dequant(kw, j, ks, kz, bits, use_asm))
+      if n_out and fma_out:
+        # few outlier channels: rank-1 updates on the CUDA cores beat a padded dot
+        for c in range(n_out):
+          ko = pltriton.load(r["k_outliers"].at[t0 + arT, c]).astype(jnp.float32)
+          s = s + q_cols[c][:, None] * ko[None, :]
+      elif n_out:
+        ko = _tile(r["k_outliers"], t0 + arT, ocols, None, omask)
+        s = s + _dot_t(q_out, ko)
+      if G < T:                                  # nq is a multiple of G only
+        s = jnp.where((t0 + arT < nq)[None, :], s, NEG)
+      (m, l, accs), p = _softmax_update(carry, s)
       vs, vz = meta("v", cfg.value_axis, t0)
-      new = [accs[0] + _dot(p, _codes_dyn(vw, j, bits, dequant) * vs + vz, operands)]
-      if n_out:
-        vo = _tile(r["v_outliers"], t0 + ar16, ocols, cq, n_out)
-        new.append(accs[1] + _dot(p, vo, operands))
-      return (m, l, tuple(new), kw, vw)
+      vw = _tile(r["v_codes"], wrows, cols, None, colmask)
+      new = [accs[0] + _dot(p, _dequant(vw, j, vs, vz, bits, use_asm))]
+      if n_out and fma_out:
+        upd = accs[1]
+        for c in range(n_out):
+          vo = pltriton.load(r["v_outliers"].at[t0 + arT, c]).astype(jnp.float32)
+          upd = upd + jnp.where(ocols[None, :] == c, jnp.sum(p * vo[None, :], axis=1)[:, None], 0.0)
+        new.append(upd)
+      elif n_out:
+        vo = _tile(r["v_outliers"], t0 + arT, ocols, None, omask)
+        new.append(accs[1] + _dot(p, vo))
+      return (m, l, tuple(new))
 
-    if loop == "unrolled":
-      return jax.lax.fori_loop(0, nblk, body, init())
-    # slots of this split holding quantized tokens (nq is a multiple of 16)
-    nslot = jnp.clip((nq - blk0 * P) // 16, 0, bps * cpw)
-    zw = jnp.zeros((16, dt), jnp.uint32)
-    m, l, accs, _, _ = jax.lax.fori_loop(0, nslot, slot_body, init() + (zw, zw))
-    return m, l, accs
+    return jax.lax.fori_loop(0, nslot, body, init())
 
   def fp_part():
     F, wc = lay.fp_slots, lay.ring
@@ -239,6 +238,7 @@ def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, num_
     dcols = jnp.arange(df, dtype=jnp.int32)
     vlo = r["v_lo_idx"][...]
     vout = r["v_out_idx"][...] if n_out else None
+    ar16 = jnp.arange(16, dtype=jnp.int32)
 
     def body(i, carry):
       slot = i * 16 + ar16
@@ -286,9 +286,9 @@ def _choose_splits(num_blocks, batch_heads, num_splits):
 
 
 def _combine(m, l, outs):
-  """Merges split partials: m, l [..., NS, G]; outs [..., NS, G, C] -> normalized [..., G, C]."""
+  """Merges split partials: m (log2 units), l [..., NS, G]; outs [..., NS, G, C] -> normalized [..., G, C]."""
   m_tot = jnp.max(m, axis=-2, keepdims=True)
-  w = jnp.exp(m - m_tot)
+  w = jnp.exp2(m - m_tot)
   l_tot = jnp.sum(w * l, axis=-2)
   inv = jnp.where(l_tot > 0, 1.0 / jnp.where(l_tot > 0, l_tot, 1.0), 0.0)
   return [jnp.sum(w[..., None] * o, axis=-3) * inv[..., None] for o in outs]
@@ -299,9 +299,8 @@ def _pad_to(x, shape):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "num_warps", "num_stages",
-                                             "dequant", "operands", "loop", "interpret"))
-def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, dequant, operands, loop,
-                  interpret):
+                                             "interpret"))
+def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, interpret):
   lay = kv.layout
   cfg = lay.config
   b, hq, d = q.shape
@@ -312,14 +311,14 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, dequant
   dt = max(16, _np2(lay.d_low), cfg.group_size)
   df = max(16, _np2(d))
   nop = max(16, _np2(n_out))
-  num_blocks = lay.cq // lay.pack_tokens
-  ns, bps = _choose_splits(num_blocks, b * h, num_splits)
+  num_slots = lay.cq // kq.PACK_STRIDE
+  ns, bps = _choose_splits(num_slots, b * h, num_splits)
 
-  qg = (q.astype(jnp.float32) * sm_scale).reshape(b, h, g, d)
+  qg = (q.astype(jnp.float32) * (sm_scale * LOG2E)).reshape(b, h, g, d)
   k_lo_idx = kq.low_channel_index(kv.k_outlier_idx, d)
   v_lo_idx = kq.low_channel_index(kv.v_outlier_idx, d)
   q_lo = jnp.take_along_axis(qg, k_lo_idx[:, :, None, :], axis=3)
-  qdt = jnp.float32 if operands == "tf32" else jnp.bfloat16
+  qdt = jnp.bfloat16
   inputs = {
       "lengths": kv.lengths.astype(jnp.int32),
       "q_lo": _pad_to(q_lo, (b, h, gp, dt)).astype(qdt),
@@ -361,7 +360,7 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, dequant
 
   kernel = functools.partial(
       _quant_kernel, names=names + out_names, lay=lay, ns=ns, bps=bps, gp=gp, dt=dt, df=df,
-      nop=nop, num_groups_tok=lay.n_groups_tok, dequant=dequant, operands=operands, loop=loop)
+      nop=nop, use_asm=not interpret)
   outs = pl.pallas_call(
       kernel,
       grid=(b, h, nsp),
@@ -386,8 +385,7 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, dequant
 
 
 def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None = None,
-                     num_splits: int | None = None, num_warps: int = 2, num_stages: int = 2,
-                     dequant: str = "magic", operands: str = "tf32", loop: str = "slots",
+                     num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
                      interpret: bool | None = None) -> jax.Array:
   """Attention of one query token per sequence to a quantized KV cache.
 
@@ -398,16 +396,10 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
       ``lengths`` say how many positions each sequence attends to.
     sm_scale: softmax scale, default ``1 / sqrt(D)``.
     num_splits: programs per (sequence, kv-head) over the quantized region
-      (default: enough to put ~512 programs on the device; 16-128 measured the same).
-    num_warps: 2 by default: 1.5x faster than 4 at B=8, 32k on an H200
-      (experiments/sweep_decode_splits.py).
-    dequant: "magic" (codes moved into a float's mantissa; default) or
-      "convert" (int->float conversion); same result up to rounding.
-    operands: "tf32" (dequantized tiles go to the tensor cores as float32/tf32;
-      default) or "bf16".
-    loop: "slots" (one 16-token slot per loop iteration, the word tile re-read
-      from L1; default), "slots_carry" (word tile kept in registers across a
-      tile's slots) or "unrolled" (all slots of a tile in one iteration).
+      (default: enough to put ~512 programs on the device).
+    num_warps, num_stages: Triton launch settings.
+    interpret: ``None`` = compiled on GPU (dequantization in inline PTX),
+      interpreted on CPU (the same arithmetic in ``jnp``).
   Returns:
     ``[B, Hq, D]``; zeros for a sequence of length 0.
   """
@@ -419,16 +411,9 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
                      f"(B={kv.batch}, D={kv.layout.head_dim})")
   if hq % kv.num_heads:
     raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({kv.num_heads})")
-  if dequant not in ("magic", "convert"):
-    raise ValueError(f"dequant must be 'magic' or 'convert', got {dequant!r}")
-  if operands not in ("tf32", "bf16"):
-    raise ValueError(f"operands must be 'tf32' or 'bf16', got {operands!r}")
-  if loop not in ("slots", "slots_carry", "unrolled"):
-    raise ValueError(f"loop must be 'slots', 'slots_carry' or 'unrolled', got {loop!r}")
   sm_scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
   return _decode_quant(q, kv, sm_scale=sm_scale, num_splits=num_splits, num_warps=num_warps,
-                       num_stages=num_stages, dequant=dequant, operands=operands, loop=loop,
-                       interpret=resolve_interpret(interpret))
+                       num_stages=num_stages, interpret=resolve_interpret(interpret))
 
 
 # --- bf16 kernel ------------------------------------------------------------------------
@@ -471,7 +456,7 @@ def _decode_bf16(q, k, v, lengths, *, sm_scale, block_k, num_splits, num_warps, 
   df = max(16, _np2(d))
   num_blocks = -(-t // block_k)
   ns, bps = _choose_splits(num_blocks, b * h, num_splits)
-  qg = (q.astype(jnp.float32) * sm_scale).reshape(b, h, g, d)
+  qg = (q.astype(jnp.float32) * (sm_scale * LOG2E)).reshape(b, h, g, d)
   qp = _pad_to(qg, (b, h, gp, df)).astype(jnp.bfloat16)
   kernel = functools.partial(_bf16_kernel, t=t, bk=block_k, bps=bps, gp=gp, df=df, d=d)
   full = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda bi, hi, si: (bi, hi, 0, 0))

@@ -35,11 +35,14 @@ low-bit statistics. The remaining ``D_low = D - n_out`` channels, in ascending
 order, form the low-bit tensor (padded with zero channels to ``D_pad``, a
 multiple of 16, so kernel rows stay 64-byte aligned).
 
-Arrays (``Cq`` = quantized capacity in tokens, ``cpw`` = codes per uint32 word):
+Arrays (``Cq`` = quantized capacity in tokens, ``cpw`` = codes per uint16 word:
+8, 5, 4, 2 for 2, 3, 4, 8 bits):
 
-* ``k_codes``, ``v_codes``: ``uint32[B, H, Cq // cpw, D_pad]`` - packed along the
-  token axis with stride 16 (``packing`` module): word row ``16*b + r`` slot ``j``
-  holds token ``b*16*cpw + 16*j + r``; one word per channel.
+* ``k_codes``, ``v_codes``: ``uint16[B, H, Cq // cpw, D_pad]`` - packed along the
+  token axis with stride 32 (``packing`` module, ``word_bits=16``): word row
+  ``32*b + r`` slot ``j`` holds token ``b*32*cpw + 32*j + r``; one word per
+  channel. 16-bit words let the decode kernel turn the words of two neighbouring
+  channels (one 32-bit register) into two bf16 values with three instructions.
 * ``k_scale``, ``k_zero`` (and ``v_*``): metadata dtype; ``[B, H, Cq // G, D_pad]``
   for ``axis="channel"``, ``[B, H, Cq, ceil(D_low / G)]`` for ``axis="token"``.
 * ``k_outliers``, ``v_outliers``: ``[B, H, Cq, n_out]`` full-precision values of the
@@ -64,7 +67,8 @@ import numpy as np
 
 from pallas_kernels import packing
 
-PACK_STRIDE = 16          # words per pack block along the token axis
+PACK_STRIDE = 32          # words per pack block along the token axis (= tokens per kernel slot)
+WORD_BITS = 16            # uint16 code words
 _AXES = ("channel", "token")
 _META_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
 _FP_DTYPES = ("bfloat16", "float16")
@@ -143,9 +147,9 @@ class KVLayout:
   max_len: int
 
   @property
-  def cpw(self): return packing.codes_per_word(self.config.bits)
+  def cpw(self): return packing.codes_per_word(self.config.bits, WORD_BITS)
   @property
-  def pack_tokens(self): return PACK_STRIDE * self.cpw          # P: tokens per 16-word tile
+  def pack_tokens(self): return PACK_STRIDE * self.cpw          # P: tokens per 32-word tile
   @property
   def n_out(self): return self.config.num_outliers(self.head_dim)
   @property
@@ -483,7 +487,8 @@ def quantize_kv(k: jax.Array, v: jax.Array, config: KVQuantConfig, *,
     # Inputs are rounded to the cache dtype first, as the decode path (which
     # quantizes from the full-precision window) sees them.
     codes, scale, zero, outl = _quantize_tokens(region(x.astype(fd)), idx, layout, axis, valid_tok)
-    fields[f"{name}_codes"] = packing.pack_jnp(codes, config.bits, axis=2, stride=PACK_STRIDE)
+    fields[f"{name}_codes"] = packing.pack_jnp(codes, config.bits, axis=2, stride=PACK_STRIDE,
+                                               word_bits=WORD_BITS)
     fields[f"{name}_scale"] = scale
     fields[f"{name}_zero"] = zero
     fields[f"{name}_outliers"] = outl
@@ -572,16 +577,17 @@ def append_kv(cache: QuantizedKV, k_new: jax.Array, v_new: jax.Array) -> Quantiz
       for f, val in (("scale", scale), ("zero", zero)):
         new[f"{name}_{f}"] = _update_rows(new[f"{name}_{f}"], val, g0, fl)
     new[f"{name}_outliers"] = _update_rows(new[f"{name}_outliers"], outl, g0, fl)
-    # packed codes: each 16-token chunk is one slot of one 16-word tile
+    # packed codes: each chunk of min(G, 32) tokens lies in one slot of one 32-word tile
     words = new[f"{name}_codes"]
-    p = layout.pack_tokens
-    for c in range(g // PACK_STRIDE):
-      tq = g0 + c * PACK_STRIDE
-      row0 = (tq // p) * PACK_STRIDE
-      shift = ((tq % p) // PACK_STRIDE * cfg.bits).astype(jnp.uint32)
-      chunk = codes[:, :, c * PACK_STRIDE:(c + 1) * PACK_STRIDE, :]
-      add = jnp.where(fl, chunk << shift[:, None, None, None], jnp.uint32(0))
-      old = jax.vmap(lambda w, r: jax.lax.dynamic_slice_in_dim(w, r, PACK_STRIDE, axis=1))(words, row0)
+    p, n = layout.pack_tokens, min(g, PACK_STRIDE)
+    wdt = words.dtype
+    for c in range(g // n):
+      tq = g0 + c * n
+      row0 = (tq // p) * PACK_STRIDE + tq % PACK_STRIDE
+      shift = ((tq % p) // PACK_STRIDE * cfg.bits).astype(wdt)
+      chunk = codes[:, :, c * n:(c + 1) * n, :].astype(wdt)
+      add = jnp.where(fl, chunk << shift[:, None, None, None], wdt.type(0))
+      old = jax.vmap(lambda w, r: jax.lax.dynamic_slice_in_dim(w, r, n, axis=1))(words, row0)
       words = jax.vmap(lambda w, u, r: jax.lax.dynamic_update_slice_in_dim(w, u, r, axis=1))(
           words, old | add, row0)
     new[f"{name}_codes"] = words
@@ -602,7 +608,7 @@ def _update_rows(arr, val, start, flush):
 def dequantize_region(codes_packed, scale, zero, outliers, outlier_idx, layout: KVLayout, axis: str):
   """Quantized region -> float32 ``[B, H, Cq, D]`` in original channel order."""
   cfg = layout.config
-  codes = packing.unpack_jnp(codes_packed, cfg.bits, axis=2, stride=PACK_STRIDE,
+  codes = packing.unpack_jnp(codes_packed, cfg.bits, axis=2, stride=PACK_STRIDE, word_bits=WORD_BITS,
                              dtype=jnp.uint32).astype(jnp.float32)
   b, h, cq, dp = codes.shape
   g = cfg.group_size

@@ -27,7 +27,7 @@ CASES = [
     # bits, gqa ratio, config kwargs
     (2, 4, dict(outlier_fraction=0.1, residual_window=16, sink_tokens=3, meta_dtype="float8_e4m3fn")),
     (3, 1, dict(outlier_fraction=0.0, key_axis="token", value_axis="channel", meta_dtype="bfloat16")),
-    (4, 8, dict(outlier_fraction=0.05, residual_window=32, meta_dtype="float16")),
+    (4, 8, dict(outlier_fraction=0.2, residual_window=32, meta_dtype="float16")),  # 6 outliers: dot path
 ]
 
 
@@ -56,8 +56,7 @@ def test_kernel_options_agree():
                          sink_tokens=2)
   cache = kq.quantize_kv(k, v, cfg, max_len=160, lengths=jnp.array([150, 77]))
   ref = reference.quantized_decode_attention(q, cache)
-  for opts in (dict(loop="slots_carry", dequant="convert", operands="bf16"),
-               dict(loop="unrolled", num_splits=1)):
+  for opts in (dict(num_splits=1), dict(num_splits=7)):
     out = decode_attention(q, cache, interpret=True, **opts)
     assert _rel(out, ref) < 1e-2, opts
 
@@ -96,8 +95,6 @@ def test_errors():
     decode_attention(jnp.zeros((2, 4, 16)), cache, interpret=True)
   with pytest.raises(ValueError, match=r"\[B, Hq, D\]"):
     decode_attention(jnp.zeros((2, 4)), cache, interpret=True)
-  with pytest.raises(ValueError, match="loop"):
-    decode_attention(jnp.zeros((2, 4, 32)), cache, loop="fast", interpret=True)
   k = jnp.zeros((2, 2, 64, 32), jnp.bfloat16)
   with pytest.raises(ValueError, match="lengths"):
     decode_attention_bf16(jnp.zeros((2, 4, 32)), k, k, jnp.zeros((3,), jnp.int32))

@@ -12,30 +12,33 @@ BITS = (2, 3, 4, 8)
 @st.composite
 def packing_case(draw):
   bits = draw(st.sampled_from(BITS))
-  stride = draw(st.sampled_from((1, 2, 16)))
+  stride = draw(st.sampled_from((1, 2, 16, 32)))
+  word_bits = draw(st.sampled_from((16, 32)))
   ndim = draw(st.integers(1, 3))
   axis = draw(st.integers(0, ndim - 1))
   shape = [draw(st.integers(1, 4)) for _ in range(ndim)]
-  shape[axis] = packing.pack_block(bits, stride) * draw(st.integers(1, 3))
+  shape[axis] = packing.pack_block(bits, stride, word_bits) * draw(st.integers(1, 3))
   seed = draw(st.integers(0, 2**31 - 1))
   codes = np.random.default_rng(seed).integers(0, 1 << bits, size=shape).astype(np.uint8)
-  return bits, stride, axis, codes
+  return bits, stride, axis, codes, word_bits
 
 
-def _pallas_round_trip(bits, stride, axis, codes):
-  words = packing.pack(codes, bits, axis=axis, stride=stride, interpret=True)
-  ref = reference.pack(codes, bits, axis=axis, stride=stride)
-  assert words.dtype == jnp.uint32
+def _pallas_round_trip(bits, stride, axis, codes, word_bits):
+  words = packing.pack(codes, bits, axis=axis, stride=stride, word_bits=word_bits, interpret=True)
+  ref = reference.pack(codes, bits, axis=axis, stride=stride, word_bits=word_bits)
+  assert words.dtype == packing.word_dtype(word_bits) == ref.dtype
   np.testing.assert_array_equal(np.asarray(words), np.asarray(ref))
-  back = packing.unpack(words, bits, axis=axis, stride=stride, interpret=True)
+  back = packing.unpack(words, bits, axis=axis, stride=stride, word_bits=word_bits, interpret=True)
   np.testing.assert_array_equal(np.asarray(back), codes)
 
 
+@pytest.mark.parametrize("word_bits", (16, 32))
 @pytest.mark.parametrize("bits", BITS)
-def test_pallas_pack_unpack_every_width(bits):
+def test_pallas_pack_unpack_every_width(bits, word_bits):
   rng = np.random.default_rng(bits)
-  n = packing.pack_block(bits, 16) * 2
-  _pallas_round_trip(bits, 16, 1, rng.integers(0, 1 << bits, size=(3, n, 5)).astype(np.uint8))
+  n = packing.pack_block(bits, 16, word_bits) * 2
+  _pallas_round_trip(bits, 16, 1, rng.integers(0, 1 << bits, size=(3, n, 5)).astype(np.uint8),
+                     word_bits)
 
 
 @settings(max_examples=5, deadline=None)
@@ -47,14 +50,14 @@ def test_pallas_pack_unpack_round_trip(case):
 @settings(max_examples=8, deadline=None)
 @given(packing_case())
 def test_jnp_pack_unpack_matches_reference(case):
-  bits, stride, axis, codes = case
-  words = packing.pack_jnp(codes, bits, axis=axis, stride=stride)
-  np.testing.assert_array_equal(np.asarray(words),
-                                np.asarray(reference.pack(codes, bits, axis=axis, stride=stride)))
-  np.testing.assert_array_equal(np.asarray(packing.unpack_jnp(words, bits, axis=axis, stride=stride)),
-                                codes)
+  bits, stride, axis, codes, wb = case
+  words = packing.pack_jnp(codes, bits, axis=axis, stride=stride, word_bits=wb)
   np.testing.assert_array_equal(
-      np.asarray(reference.unpack(words, bits, axis=axis, stride=stride)), codes)
+      np.asarray(words), np.asarray(reference.pack(codes, bits, axis=axis, stride=stride, word_bits=wb)))
+  np.testing.assert_array_equal(
+      np.asarray(packing.unpack_jnp(words, bits, axis=axis, stride=stride, word_bits=wb)), codes)
+  np.testing.assert_array_equal(
+      np.asarray(reference.unpack(words, bits, axis=axis, stride=stride, word_bits=wb)), codes)
 
 
 def test_layout_lowest_bits_first_and_3bit_spare_bits():
@@ -75,6 +78,19 @@ def test_layout_lowest_bits_first_and_3bit_spare_bits():
 
 def test_codes_per_word_and_bits_per_code():
   assert {b: packing.codes_per_word(b) for b in BITS} == {2: 16, 3: 10, 4: 8, 8: 4}
+  assert {b: packing.codes_per_word(b, 16) for b in BITS} == {2: 8, 3: 5, 4: 4, 8: 2}
+
+
+def test_16bit_words_layout():
+  # 3-bit in uint16: 5 codes per word, bit 15 unused; stride 32 as the KV cache uses it
+  w = np.asarray(packing.pack(np.full((10,), 7, np.uint8), 3, word_bits=16, interpret=True))
+  assert w.dtype == np.uint16 and w.shape == (2,) and all(int(x) == (1 << 15) - 1 for x in w)
+  c = np.random.default_rng(1).integers(0, 4, size=(256,)).astype(np.uint8)
+  w = np.asarray(packing.pack_jnp(c, 2, stride=32, word_bits=16))
+  assert w.shape == (32,)
+  for r in range(32):
+    for j in range(8):
+      assert (int(w[r]) >> (2 * j)) & 3 == c[32 * j + r]
 
 
 def test_errors():
@@ -92,6 +108,10 @@ def test_errors():
     packing.pack_jnp(jnp.zeros((2, 128), jnp.uint8), 2, axis=1, stride=16)
   with pytest.raises(ValueError, match="uint32"):
     packing.unpack(np.zeros(4, np.int32), 2)
+  with pytest.raises(ValueError, match="uint16 for word_bits=16"):
+    packing.unpack_jnp(jnp.zeros(4, jnp.uint32), 2, word_bits=16)
+  with pytest.raises(ValueError, match="word_bits must be one of"):
+    packing.codes_per_word(2, 8)
   with pytest.raises(ValueError, match="stride"):
     packing.pack(np.zeros(16, np.uint8), 2, stride=0)
   assert packing.padded_length(12, 3) == 20
