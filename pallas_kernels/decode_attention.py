@@ -5,26 +5,29 @@ query heads: ``Hq`` a multiple of the cache's ``H``; per-sequence lengths) with 
 split-K ("flash-decoding") Pallas kernel:
 
 * grid ``(B, H, num_splits + 1)``. Program ``(b, h, s < num_splits)`` walks its
-  share of the quantized region one *pack tile* at a time: a ``[16, D_pad]``
-  tile of uint32 words per K and V, i.e. ``16 * codes_per_word`` tokens. Slot ``j``
-  of the tile is a ``[16 tokens, D_pad]`` tile of codes (one shift and mask), which
-  is dequantized in registers (``code * scale + zero``, scales from the tile's
-  group) and fed to the tensor cores: ``scores = q_low . k^T`` (+ ``q_out . k_out^T``
-  for the 16-bit outlier channels), one online-softmax update per pack tile,
-  ``acc += p . v``. Blocks past the sequence's quantized length are skipped.
-  The last program ``(b, h, num_splits)`` attends to the full-precision sinks and
-  window ring.
+  share of the quantized region one 32-token *slot* per loop step: slot ``j`` of
+  a ``[32, D_pad]`` tile of uint16 code words (``kv_quant`` layout) is
+  dequantized to a ``[32, D_pad]`` bf16 tile in registers (inline PTX, two
+  values per 32-bit register: see ``_dequant``), then ``scores = q_low . k^T``
+  on the tensor cores (+ the 16-bit outlier channels), one online-softmax
+  update (exp2; log2(e) is folded into the query), ``acc += p . v``. Slots past
+  the sequence's quantized length are skipped. The last program
+  ``(b, h, num_splits)`` attends to the full-precision sinks and window ring.
 * Each program writes a partial (unnormalized output, running max, running
   sum); a small ``jnp`` step combines the ``num_splits + 1`` partials.
-* Outlier channels cost no gather in the kernel's hot loop: the query is split
-  outside it into ``q_low`` (the low-bit channels, in cache order) and ``q_out``
-  (the outlier channels); the value output is produced in the same split form
-  and scattered back to channel order on the ``[B, Hq, D]`` result.
+* Outlier channels cost no gather in the hot loop: the query is split outside
+  it into ``q_low`` (the low-bit channels, in cache order) and ``q_out`` (the
+  outlier channels); the value output is produced in the same split form and
+  scattered back to channel order on the ``[B, Hq, D]`` result. Up to four
+  outlier channels are rank-1 updates on the CUDA cores; more go through a
+  padded tensor-core dot.
 
 Nothing is dequantized to HBM. ``interpret=None`` compiles on GPU (Pallas'
 Triton lowering, selected with ``pallas.triton.CompilerParams``) and interprets
-on CPU. The tiles are 16-row multiples of 128-wide (for D = 128) with int32/uint32
-shifts, so a TPU (Mosaic) path could keep the same layout; none is written yet.
+on CPU, where the dequantization runs as the same arithmetic in ``jnp``
+(``experiments/check_decode_gpu.py`` checks the PTX path on a GPU). The tiles
+are 32-row multiples of 128-wide (for D = 128), so a TPU (Mosaic) path could
+keep the same layout; none is written yet.
 
 ``decode_attention_bf16(q, k, v, lengths)`` is the same kernel shape on a plain
 bf16 cache ``k, v [B, H, T, D]``.
@@ -149,7 +152,7 @@ def _dequant(words, j, s2, z2, bits, use_asm):
 # --- quantized kernel -------------------------------------------------------------------
 
 
-def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_asm):
+def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_asm, U):
   r = dict(zip(names, refs))
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
@@ -197,15 +200,17 @@ def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_
     slot0 = sidx * bps
     nslot = jnp.clip((nq - slot0 * T + T - 1) // T, 0, bps)
 
-    def body(i, carry):
-      gs = slot0 + i                             # global slot: tokens [gs*T, gs*T + T)
-      t0 = gs * T
-      j = jax.lax.rem(gs, jnp.int32(cpw))
-      wrows = jax.lax.div(gs, jnp.int32(cpw)) * T + arT
+    def where(gs):
+      """(t0, slot j in its word tile, word rows) of global slot gs (tokens [gs*T, gs*T+T))."""
+      gs = jnp.minimum(gs, cq // T - 1)          # a step's spare slot stays in bounds (masked)
+      return gs * T, jax.lax.rem(gs, jnp.int32(cpw)), jax.lax.div(gs, jnp.int32(cpw)) * T + arT
+
+    def scores(gs, valid):
+      t0, j, wrows = where(gs)
       ks, kz = meta("k", cfg.key_axis, t0)
       kw = _tile(r["k_codes"], wrows, cols, None, colmask)
       s = _dot_t(q_lo, _dequant(kw, j, ks, kz, bits, use_asm))
-      if n_out and fma_out:
+      if fma_out:
         # few outlier channels: rank-1 updates on the CUDA cores beat a padded dot
         for c in range(n_out):
           ko = pltriton.load(r["k_outliers"].at[t0 + arT, c]).astype(jnp.float32)
@@ -214,12 +219,17 @@ def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_
         ko = _tile(r["k_outliers"], t0 + arT, ocols, None, omask)
         s = s + _dot_t(q_out, ko)
       if G < T:                                  # nq is a multiple of G only
-        s = jnp.where((t0 + arT < nq)[None, :], s, NEG)
-      (m, l, accs), p = _softmax_update(carry, s)
+        valid = valid & (gs * T + arT < nq)
+      elif valid is not True:
+        valid = jnp.broadcast_to(valid, (T,))
+      return s if valid is True else jnp.where(valid[None, :], s, NEG)
+
+    def values(gs, p, accs):
+      t0, j, wrows = where(gs)
       vs, vz = meta("v", cfg.value_axis, t0)
       vw = _tile(r["v_codes"], wrows, cols, None, colmask)
       new = [accs[0] + _dot(p, _dequant(vw, j, vs, vz, bits, use_asm))]
-      if n_out and fma_out:
+      if fma_out:
         upd = accs[1]
         for c in range(n_out):
           vo = pltriton.load(r["v_outliers"].at[t0 + arT, c]).astype(jnp.float32)
@@ -228,9 +238,24 @@ def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_
       elif n_out:
         vo = _tile(r["v_outliers"], t0 + arT, ocols, None, omask)
         new.append(accs[1] + _dot(p, vo))
-      return (m, l, tuple(new))
+      return new
 
-    return jax.lax.fori_loop(0, nslot, body, init())
+    def body(i, carry):
+      # U slots per step: one softmax rescale per U * T tokens.
+      gs0 = slot0 + i * U
+      ss = [scores(gs0 + u, True if u == 0 else (i * U + u < nslot)) for u in range(U)]
+      m, l, accs = carry
+      m_new = functools.reduce(jnp.maximum, [jnp.max(x, axis=1) for x in ss], m)
+      corr = jnp.exp2(m - m_new)
+      l = l * corr
+      accs = [a * corr[:, None] for a in accs]
+      for u in range(U):
+        p = jnp.exp2(ss[u] - m_new[:, None])
+        l = l + jnp.sum(p, axis=1)
+        accs = values(gs0 + u, p, accs)
+      return (m_new, l, tuple(accs))
+
+    return jax.lax.fori_loop(0, pl.cdiv(nslot, U), body, init())
 
   def fp_part():
     F, wc = lay.fp_slots, lay.ring
@@ -299,8 +324,8 @@ def _pad_to(x, shape):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "num_warps", "num_stages",
-                                             "interpret"))
-def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, interpret):
+                                             "slots_per_step", "interpret"))
+def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_per_step, interpret):
   lay = kv.layout
   cfg = lay.config
   b, hq, d = q.shape
@@ -360,7 +385,7 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, interpr
 
   kernel = functools.partial(
       _quant_kernel, names=names + out_names, lay=lay, ns=ns, bps=bps, gp=gp, dt=dt, df=df,
-      nop=nop, use_asm=not interpret)
+      nop=nop, use_asm=not interpret, U=slots_per_step)
   outs = pl.pallas_call(
       kernel,
       grid=(b, h, nsp),
@@ -386,7 +411,7 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, interpr
 
 def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None = None,
                      num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                     interpret: bool | None = None) -> jax.Array:
+                     slots_per_step: int = 1, interpret: bool | None = None) -> jax.Array:
   """Attention of one query token per sequence to a quantized KV cache.
 
   Args:
@@ -398,6 +423,8 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
     num_splits: programs per (sequence, kv-head) over the quantized region
       (default: enough to put ~512 programs on the device).
     num_warps, num_stages: Triton launch settings.
+    slots_per_step: 32-token slots per loop step (1, 2 or 4): one softmax
+      rescale per step.
     interpret: ``None`` = compiled on GPU (dequantization in inline PTX),
       interpreted on CPU (the same arithmetic in ``jnp``).
   Returns:
@@ -411,9 +438,12 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
                      f"(B={kv.batch}, D={kv.layout.head_dim})")
   if hq % kv.num_heads:
     raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({kv.num_heads})")
+  if slots_per_step not in (1, 2, 4):
+    raise ValueError(f"slots_per_step must be 1, 2 or 4, got {slots_per_step!r}")
   sm_scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
   return _decode_quant(q, kv, sm_scale=sm_scale, num_splits=num_splits, num_warps=num_warps,
-                       num_stages=num_stages, interpret=resolve_interpret(interpret))
+                       num_stages=num_stages, slots_per_step=slots_per_step,
+                       interpret=resolve_interpret(interpret))
 
 
 # --- bf16 kernel ------------------------------------------------------------------------

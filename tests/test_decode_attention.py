@@ -56,7 +56,7 @@ def test_kernel_options_agree():
                          sink_tokens=2)
   cache = kq.quantize_kv(k, v, cfg, max_len=160, lengths=jnp.array([150, 77]))
   ref = reference.quantized_decode_attention(q, cache)
-  for opts in (dict(num_splits=1), dict(num_splits=7)):
+  for opts in (dict(num_splits=1), dict(num_splits=7), dict(slots_per_step=4, num_splits=2)):
     out = decode_attention(q, cache, interpret=True, **opts)
     assert _rel(out, ref) < 1e-2, opts
 
@@ -71,8 +71,10 @@ def test_decode_after_streaming_appends():
   step = jax.jit(kq.append_kv)
   for i in range(10, 120):
     c = step(c, k[:, :, i], v[:, :, i])
-  out = decode_attention(q, c, interpret=True)
-  assert _rel(out, reference.quantized_decode_attention(q, c)) < 1e-2
+  ref = reference.quantized_decode_attention(q, c)
+  for spp in (1, 2):
+    out = decode_attention(q, c, interpret=True, slots_per_step=spp)
+    assert _rel(out, ref) < 1e-2, spp
 
 
 @pytest.mark.parametrize("ratio", [1, 4, 8])
@@ -95,6 +97,8 @@ def test_errors():
     decode_attention(jnp.zeros((2, 4, 16)), cache, interpret=True)
   with pytest.raises(ValueError, match=r"\[B, Hq, D\]"):
     decode_attention(jnp.zeros((2, 4)), cache, interpret=True)
+  with pytest.raises(ValueError, match="slots_per_step"):
+    decode_attention(jnp.zeros((2, 4, 32)), cache, slots_per_step=3, interpret=True)
   k = jnp.zeros((2, 2, 64, 32), jnp.bfloat16)
   with pytest.raises(ValueError, match="lengths"):
     decode_attention_bf16(jnp.zeros((2, 4, 32)), k, k, jnp.zeros((3,), jnp.int32))
