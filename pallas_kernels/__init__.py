@@ -5,12 +5,13 @@ Imports jax and numpy only — never moejax. Every kernel takes ``interpret=None
 plain ``jnp`` twin in ``pallas_kernels.reference``.
 
 Packing (``pallas_kernels.packing``): unsigned 2/3/4/8-bit codes in uint32
-words, lowest bits first; 16/10/8/4 codes per word (3-bit: bits 30-31 unused).
+words (16/10/8/4 codes; 3-bit: bits 30-31 unused) or, with ``word_bits=16``,
+uint16 words (8/5/4/2 codes), lowest bits first.
 Along the packed axis, pack blocks of ``stride * codes_per_word`` elements
 become ``stride`` words; element ``r`` of a block goes to word ``r % stride``,
 slot ``r // stride`` (``stride=1``: the usual contiguous layout).
 
-* ``pack(codes[..., n, ...], bits, axis, stride) -> uint32[..., n / cpw, ...]``
+* ``pack(codes[..., n, ...], bits, axis, stride, word_bits=32) -> uint32[..., n / cpw, ...]``
   (Pallas); ``unpack`` its inverse; ``pack_jnp`` / ``unpack_jnp`` the XLA versions.
 
 KV quantization (``pallas_kernels.kv_quant``), per attention layer, keys and
@@ -19,8 +20,8 @@ values ``[B, H, T, D]``:
 * ``KVQuantConfig(bits, group_size, outlier_fraction, residual_window,
   sink_tokens, key_axis, value_axis, meta_dtype, dtype)``.
 * ``quantize_kv(k, v, config, max_len=, lengths=, k_outlier_idx=, v_outlier_idx=)
-  -> QuantizedKV``: a pytree of static shapes (capacity ``max_len``): uint32 codes
-  packed along tokens (stride 16), scales and zeros (``meta_dtype``), 16-bit
+  -> QuantizedKV``: a pytree of static shapes (capacity ``max_len``): uint16 codes
+  packed along tokens (stride 32), scales and zeros (``meta_dtype``), 16-bit
   outlier channels and their int32 indices, a full-precision sink + window ring,
   int32 lengths. ``.append(k_new [B, H, D], v_new)`` (jit-able; flushes whole
   groups), ``.dequantize() -> (k, v, valid)``, ``.nbytes``, ``.bits_per_element``.
