@@ -107,6 +107,7 @@ def main():
     n = jax.ShapeDtypeStruct((8,), jnp.int32)
     ttir = capture_ttir(lambda q, k, v, n: da.decode_attention_bf16(q, k, v, n, **kw), q, k, k, n)
   with tempfile.TemporaryDirectory() as tmp:
+    tmp = os.environ.get("SASS_DIR", tmp)
     src, out = os.path.join(tmp, "k.ttir"), os.path.join(tmp, "k")
     open(src, "w").write(ttir)
     tdir = subprocess.run([args.triton_python, "-c", _COMPILE, src, str(args.num_warps),

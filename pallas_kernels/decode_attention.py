@@ -152,11 +152,12 @@ def _dequant(words, j, s2, z2, bits, use_asm):
 # --- quantized kernel -------------------------------------------------------------------
 
 
-def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_asm, U):
+def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_asm, U, T):
   r = dict(zip(names, refs))
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
-  T = kq.PACK_STRIDE                                    # tokens per slot (one loop step)
+  W = kq.PACK_STRIDE                 # word rows per pack tile (= tokens per code slot)
+  # T = tokens per unit of work: a whole slot (32) or half of one (16: fewer registers)
   S, R, cq, dp, dl, n_out = cfg.sink_tokens, cfg.residual_window, lay.cq, lay.d_pad, lay.d_low, lay.n_out
   sidx = pl.program_id(2)
   L = r["lengths"][0]
@@ -201,9 +202,12 @@ def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_
     nslot = jnp.clip((nq - slot0 * T + T - 1) // T, 0, bps)
 
     def where(gs):
-      """(t0, slot j in its word tile, word rows) of global slot gs (tokens [gs*T, gs*T+T))."""
-      gs = jnp.minimum(gs, cq // T - 1)          # a step's spare slot stays in bounds (masked)
-      return gs * T, jax.lax.rem(gs, jnp.int32(cpw)), jax.lax.div(gs, jnp.int32(cpw)) * T + arT
+      """(t0, code slot j in its word tile, word rows) of unit gs (tokens [gs*T, gs*T+T))."""
+      gs = jnp.minimum(gs, cq // T - 1)          # a step's spare unit stays in bounds (masked)
+      t0 = gs * T
+      slot = t0 // W
+      return (t0, jax.lax.rem(slot, jnp.int32(cpw)),
+              jax.lax.div(slot, jnp.int32(cpw)) * W + (t0 % W) + arT)
 
     def scores(gs, valid):
       t0, j, wrows = where(gs)
@@ -258,11 +262,11 @@ def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_
     return jax.lax.fori_loop(0, pl.cdiv(nslot, U), body, init())
 
   def fp_part():
+    # Sinks and window ring, in channel order (no gathers: they cost registers that
+    # the whole kernel then pays); the wrapper splits the output into low/outlier form.
     F, wc = lay.fp_slots, lay.ring
     q_fp = r["q_fp"][...]
     dcols = jnp.arange(df, dtype=jnp.int32)
-    vlo = r["v_lo_idx"][...]
-    vout = r["v_out_idx"][...] if n_out else None
     ar16 = jnp.arange(16, dtype=jnp.int32)
 
     def body(i, carry):
@@ -275,29 +279,32 @@ def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_
       k = _tile(r["k_fp"], slot, dcols, F, lay.head_dim)
       s = jnp.where(valid[None, :], _dot_t(q_fp, k), NEG)
       carry, p = _softmax_update(carry, s)
-      m, l, accs = carry
-      rr = slot[:, None]
-      ok = (rr < F)
-      v_lo = pltriton.load(r["v_fp"].at[rr, vlo[None, :]], mask=ok & (cols[None, :] < dl),
-                            other=jnp.zeros((), r["v_fp"].dtype))
-      new = [accs[0] + _dot(p, v_lo)]
-      if n_out:
-        v_o = pltriton.load(r["v_fp"].at[rr, vout[None, :]], mask=ok & (ocols[None, :] < n_out),
-                             other=jnp.zeros((), r["v_fp"].dtype))
-        new.append(accs[1] + _dot(p, v_o))
-      return (m, l, tuple(new))
+      m, l, (acc,) = carry
+      v = _tile(r["v_fp"], slot, dcols, F, lay.head_dim)
+      return (m, l, (acc + _dot(p, v),))
 
-    return jax.lax.fori_loop(0, pl.cdiv(F, 16), body, init())
+    init = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
+            (jnp.zeros((gp, df), jnp.float32),))
+    return jax.lax.fori_loop(0, pl.cdiv(F, 16), body, init)
+
+  def run_quant():
+    m, l, accs = quant_part()
+    r["o_lo"][...] = accs[0]
+    if n_out:
+      r["o_out"][...] = accs[1]
+    r["m"][...] = m
+    r["l"][...] = l
+
+  def run_fp():
+    m, l, (acc,) = fp_part()
+    r["o_fp"][...] = acc
+    r["m"][...] = m
+    r["l"][...] = l
 
   if ns == 0:
-    m, l, accs = fp_part()
+    run_fp()
   else:
-    m, l, accs = jax.lax.cond(sidx < ns, quant_part, fp_part)
-  r["o_lo"][...] = accs[0]
-  if n_out:
-    r["o_out"][...] = accs[1]
-  r["m"][...] = m
-  r["l"][...] = l
+    jax.lax.cond(sidx < ns, run_quant, run_fp)
 
 
 def _choose_splits(num_blocks, batch_heads, num_splits):
@@ -324,8 +331,9 @@ def _pad_to(x, shape):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "num_warps", "num_stages",
-                                             "slots_per_step", "interpret"))
-def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_per_step, interpret):
+                                             "slots_per_step", "step_tokens", "interpret"))
+def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_per_step,
+                  step_tokens, interpret):
   lay = kv.layout
   cfg = lay.config
   b, hq, d = q.shape
@@ -336,8 +344,8 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
   dt = max(16, _np2(lay.d_low), cfg.group_size)
   df = max(16, _np2(d))
   nop = max(16, _np2(n_out))
-  num_slots = lay.cq // kq.PACK_STRIDE
-  ns, bps = _choose_splits(num_slots, b * h, num_splits)
+  num_units = lay.cq // step_tokens
+  ns, bps = _choose_splits(num_units, b * h, num_splits)
 
   qg = (q.astype(jnp.float32) * (sm_scale * LOG2E)).reshape(b, h, g, d)
   k_lo_idx = kq.low_channel_index(kv.k_outlier_idx, d)
@@ -349,12 +357,10 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
       "q_lo": _pad_to(q_lo, (b, h, gp, dt)).astype(qdt),
       "q_fp": _pad_to(qg, (b, h, gp, df)).astype(jnp.bfloat16),
       "k_fp": kv.k_fp, "v_fp": kv.v_fp,
-      "v_lo_idx": _pad_to(v_lo_idx, (b, h, dt)),
   }
   if n_out:
     q_out = jnp.take_along_axis(qg, kv.k_outlier_idx[:, :, None, :], axis=3)
     inputs["q_out"] = _pad_to(q_out, (b, h, gp, nop)).astype(qdt)
-    inputs["v_out_idx"] = _pad_to(kv.v_outlier_idx, (b, h, nop))
   if ns:
     for name in ("k", "v"):
       for f in ("codes", "scale", "zero"):
@@ -377,27 +383,36 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
   }
   if n_out:
     out_shapes["o_out"] = jax.ShapeDtypeStruct((b, h, nsp, gp, nop), jnp.float32)
+  out_shapes["o_fp"] = jax.ShapeDtypeStruct((b, h, gp, df), jnp.float32)   # last split only
   out_names = list(out_shapes)
 
-  def ospec(s):
-    rest = s.shape[3:]
+  def ospec(name):
+    if name == "o_fp":
+      return pl.BlockSpec((None, None, gp, df), lambda bi, hi, si: (bi, hi, 0, 0))
+    rest = out_shapes[name].shape[3:]
     return pl.BlockSpec((None, None, None) + rest, lambda bi, hi, si, n=len(rest): (bi, hi, si) + (0,) * n)
 
   kernel = functools.partial(
       _quant_kernel, names=names + out_names, lay=lay, ns=ns, bps=bps, gp=gp, dt=dt, df=df,
-      nop=nop, use_asm=not interpret, U=slots_per_step)
+      nop=nop, use_asm=not interpret, U=slots_per_step, T=step_tokens)
   outs = pl.pallas_call(
       kernel,
       grid=(b, h, nsp),
       in_specs=[spec(inputs[n]) for n in names],
-      out_specs=[ospec(out_shapes[n]) for n in out_names],
+      out_specs=[ospec(n) for n in out_names],
       out_shape=[out_shapes[n] for n in out_names],
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="decode_attention_quantized",
   )(*[inputs[n] for n in names])
   outs = dict(zip(out_names, outs))
-  parts = [outs["o_lo"]] + ([outs["o_out"]] if n_out else [])
+  # The last split's partial is o_fp (channel order): split it like the others.
+  o_fp = outs["o_fp"][..., :d]
+  fp_lo = jnp.take_along_axis(o_fp, v_lo_idx[:, :, None, :], axis=3)
+  parts = [outs["o_lo"].at[:, :, ns].set(_pad_to(fp_lo, (b, h, gp, dt)))]
+  if n_out:
+    fp_out = jnp.take_along_axis(o_fp, kv.v_outlier_idx[:, :, None, :], axis=3)
+    parts.append(outs["o_out"].at[:, :, ns].set(_pad_to(fp_out, (b, h, gp, nop))))
   comb = _combine(outs["m"], outs["l"], parts)
   o = jnp.zeros((b, h, g, d), jnp.float32)
   bi = jnp.arange(b)[:, None, None, None]
@@ -411,7 +426,8 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
 
 def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None = None,
                      num_splits: int | None = None, num_warps: int = 1, num_stages: int = 1,
-                     slots_per_step: int = 1, interpret: bool | None = None) -> jax.Array:
+                     slots_per_step: int = 1, step_tokens: int = 32,
+                     interpret: bool | None = None) -> jax.Array:
   """Attention of one query token per sequence to a quantized KV cache.
 
   Args:
@@ -425,8 +441,9 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
     num_warps, num_stages: Triton launch settings. 1 warp, 1 stage, 15 splits was
       the fastest of 26 variants on an H200 at B=8, 32k (0.354 ms; 2 warps 0.484,
       4 warps 0.881; experiments/bench_decode_attention.py --variants).
-    slots_per_step: 32-token slots per loop step (1, 2 or 4): one softmax
-      rescale per step.
+    step_tokens: tokens per unit of work, 32 (a whole code slot) or 16 (half of
+      one: smaller register tiles).
+    slots_per_step: units per loop step (1, 2 or 4): one softmax rescale per step.
     interpret: ``None`` = compiled on GPU (dequantization in inline PTX),
       interpreted on CPU (the same arithmetic in ``jnp``).
   Returns:
@@ -442,9 +459,11 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
     raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({kv.num_heads})")
   if slots_per_step not in (1, 2, 4):
     raise ValueError(f"slots_per_step must be 1, 2 or 4, got {slots_per_step!r}")
+  if step_tokens not in (16, kq.PACK_STRIDE):
+    raise ValueError(f"step_tokens must be 16 or {kq.PACK_STRIDE}, got {step_tokens!r}")
   sm_scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
   return _decode_quant(q, kv, sm_scale=sm_scale, num_splits=num_splits, num_warps=num_warps,
-                       num_stages=num_stages, slots_per_step=slots_per_step,
+                       num_stages=num_stages, slots_per_step=slots_per_step, step_tokens=step_tokens,
                        interpret=resolve_interpret(interpret))
 
 

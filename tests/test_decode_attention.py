@@ -56,7 +56,8 @@ def test_kernel_options_agree():
                          sink_tokens=2)
   cache = kq.quantize_kv(k, v, cfg, max_len=160, lengths=jnp.array([150, 77]))
   ref = reference.quantized_decode_attention(q, cache)
-  for opts in (dict(num_splits=1), dict(num_splits=7), dict(slots_per_step=4, num_splits=2)):
+  for opts in (dict(num_splits=1), dict(num_splits=7), dict(slots_per_step=4, num_splits=2),
+               dict(step_tokens=16, slots_per_step=2, num_splits=3)):
     out = decode_attention(q, cache, interpret=True, **opts)
     assert _rel(out, ref) < 1e-2, opts
 
@@ -72,9 +73,9 @@ def test_decode_after_streaming_appends():
   for i in range(10, 120):
     c = step(c, k[:, :, i], v[:, :, i])
   ref = reference.quantized_decode_attention(q, c)
-  for spp in (1, 2):
-    out = decode_attention(q, c, interpret=True, slots_per_step=spp)
-    assert _rel(out, ref) < 1e-2, spp
+  for opts in (dict(), dict(slots_per_step=2), dict(step_tokens=16)):
+    out = decode_attention(q, c, interpret=True, **opts)
+    assert _rel(out, ref) < 1e-2, opts
 
 
 @pytest.mark.parametrize("ratio", [1, 4, 8])
@@ -97,6 +98,8 @@ def test_errors():
     decode_attention(jnp.zeros((2, 4, 16)), cache, interpret=True)
   with pytest.raises(ValueError, match=r"\[B, Hq, D\]"):
     decode_attention(jnp.zeros((2, 4)), cache, interpret=True)
+  with pytest.raises(ValueError, match="step_tokens"):
+    decode_attention(jnp.zeros((2, 4, 32)), cache, step_tokens=64, interpret=True)
   with pytest.raises(ValueError, match="slots_per_step"):
     decode_attention(jnp.zeros((2, 4, 32)), cache, slots_per_step=3, interpret=True)
   k = jnp.zeros((2, 2, 64, 32), jnp.bfloat16)
