@@ -11,7 +11,8 @@ Setup (once; a separate venv keeps triton out of the project's):
 Usage:
   JAX_PLATFORMS=cpu python experiments/triton_sass.py decode --outliers 0.02 --num-warps 2
   JAX_PLATFORMS=cpu python experiments/triton_sass.py decode --kw '{"slots_per_step": 2}'
-  (add --triton-python /tmp/tv/bin/python if that is where triton lives)
+  (add --triton-python /tmp/tv/bin/python if that is where triton lives;
+  SASS_DIR=/some/dir keeps the .ttir/.ttgir/.ptx/.cubin there instead of a temp dir)
 """
 from __future__ import annotations
 
