@@ -42,7 +42,7 @@ Arrays (``Cq`` = quantized capacity in tokens, ``cpw`` = codes per uint16 word:
   token axis with stride 32 (``packing`` module, ``word_bits=16``): word row
   ``32*b + r`` slot ``j`` holds token ``b*32*cpw + 32*j + r``; one word per
   channel. 16-bit words let the decode kernel turn the words of two neighbouring
-  channels (one 32-bit register) into two bf16 values with three instructions.
+  channels (one 32-bit register) into two fp16 values with three instructions.
 * ``k_scale``, ``k_zero`` (and ``v_*``): metadata dtype; ``[B, H, Cq // G, D_pad]``
   for ``axis="channel"``, ``[B, H, Cq, ceil(D_low / G)]`` for ``axis="token"``.
 * ``k_outliers``, ``v_outliers``: ``[B, H, Cq, n_out]`` full-precision values of the

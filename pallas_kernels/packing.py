@@ -7,7 +7,7 @@ Layout (every function in this module, and the quantized KV cache, uses it):
   and 31 unused (always zero).
 * ``word_bits=16``: uint16 words holding 8, 5, 4, 2 codes (3-bit: bit 15
   unused). The KV cache uses these: two 16-bit words of neighbouring channels
-  fill one 32-bit register, which the decode kernel turns into two bf16 values
+  fill one 32-bit register, which the decode kernel turns into two fp16 values
   with three instructions.
 * ``codes_per_word(bits, word_bits)`` gives the count.
 * **Lowest bits first**: slot ``j`` of a word holds bits ``[j*bits, (j+1)*bits)``.
