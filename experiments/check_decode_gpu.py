@@ -7,7 +7,6 @@ Usage (device machine): PYTHONPATH=. python3 experiments/check_decode_gpu.py [--
 import itertools
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

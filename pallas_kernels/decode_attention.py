@@ -156,7 +156,7 @@ def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
   W = kq.PACK_STRIDE                 # word rows per pack tile (= tokens per code slot)
   # T = tokens per unit of work: a whole slot (32) or half of one (16: fewer registers)
-  S, R, cq, dp, dl, n_out = cfg.sink_tokens, cfg.residual_window, lay.cq, lay.d_pad, lay.d_low, lay.n_out
+  S, R, cq, dp, n_out = cfg.sink_tokens, cfg.residual_window, lay.cq, lay.d_pad, lay.n_out
   sidx = pl.program_id(2)
   L = r["lengths"][0]
   nq = jnp.minimum(jnp.maximum(L - S - R, 0) // G * G, cq)
@@ -199,7 +199,7 @@ def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_
     slot0 = sidx * bps
     nslot = jnp.clip((nq - slot0 * T + T - 1) // T, 0, bps)
 
-    def where(gs):
+    def locate(gs):
       """(t0, code slot j in its word tile, word rows) of unit gs (tokens [gs*T, gs*T+T))."""
       gs = jnp.minimum(gs, cq // T - 1)          # a step's spare unit stays in bounds (masked)
       t0 = gs * T
@@ -208,7 +208,7 @@ def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_
               jax.lax.div(slot, jnp.int32(cpw)) * W + (t0 % W) + arT)
 
     def scores(gs, valid):
-      t0, j, wrows = where(gs)
+      t0, j, wrows = locate(gs)
       ks, kz = meta("k", cfg.key_axis, t0)
       kw = _tile(r["k_codes"], wrows, cols, None, colmask)
       s = _dot_t(q_lo, _dequant(kw, j, ks, kz, bits, use_asm), DEQ_DTYPE)
@@ -227,7 +227,7 @@ def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_
       return s if valid is True else jnp.where(valid[None, :], s, NEG)
 
     def values(gs, p, accs):
-      t0, j, wrows = where(gs)
+      t0, j, wrows = locate(gs)
       vs, vz = meta("v", cfg.value_axis, t0)
       vw = _tile(r["v_codes"], wrows, cols, None, colmask)
       new = [accs[0] + _dot(p, _dequant(vw, j, vs, vz, bits, use_asm), DEQ_DTYPE)]
@@ -349,7 +349,6 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
   k_lo_idx = kq.low_channel_index(kv.k_outlier_idx, d)
   v_lo_idx = kq.low_channel_index(kv.v_outlier_idx, d)
   q_lo = jnp.take_along_axis(qg, k_lo_idx[:, :, None, :], axis=3)
-  qdt = jnp.bfloat16
   inputs = {
       "lengths": kv.lengths.astype(jnp.int32),
       "q_lo": _pad_to(q_lo, (b, h, gp, dt)).astype(DEQ_DTYPE),
@@ -358,7 +357,7 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
   }
   if n_out:
     q_out = jnp.take_along_axis(qg, kv.k_outlier_idx[:, :, None, :], axis=3)
-    inputs["q_out"] = _pad_to(q_out, (b, h, gp, nop)).astype(qdt)
+    inputs["q_out"] = _pad_to(q_out, (b, h, gp, nop)).astype(jnp.bfloat16)
   if ns:
     for name in ("k", "v"):
       for f in ("codes", "scale", "zero"):
