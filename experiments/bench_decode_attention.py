@@ -9,6 +9,7 @@ Times, at B in {1, 8}, context in {4k, 32k, 128k}, GQA 32 query / 8 kv heads, D 
   ours_bf16    pallas_kernels.decode_attention_bf16
   ours_2b2     pallas_kernels.decode_attention, 2-bit + 2% outlier channels
   ours_seed    pallas_kernels.decode_attention, 2-bit + 15% outlier channels (seed config)
+  mosaic_2b2   pallas_kernels.decode_attention(backend="mosaic") (Mosaic GPU kernel), 2-bit + 2%
 and a device copy (ceiling). Each figure is the median over repetitions of the
 mean time of many back-to-back calls (dispatch overlaps execution), rotating
 over enough input copies that no call reads from L2. Bytes read = the cache
@@ -147,6 +148,7 @@ def main():
     gqa = None
 
   configs = {
+      "mosaic_2b2": kq.KVQuantConfig(bits=2, outlier_fraction=0.02),
       "ours_2b2": kq.KVQuantConfig(bits=2, outlier_fraction=0.02),
       "ours_seed": kq.KVQuantConfig(bits=2, outlier_fraction=0.15),
   }
@@ -161,6 +163,7 @@ def main():
   ours_bf16 = jax.jit(lambda q, k, v, L: decode_attention_bf16(q, k, v, L))
   best_kw = {}
   ours_q = jax.jit(lambda q, c: decode_attention(q, c))
+  mosaic_q = jax.jit(lambda q, c: decode_attention(q, c, backend="mosaic"))
   quantize = {name: jax.jit(lambda k, v, L, cfg=cfg: kq.quantize_kv(k, v, cfg, lengths=L))
               for name, cfg in configs.items()}
 
@@ -213,16 +216,17 @@ def main():
         continue
       try:
         tq = time.time()
+        fn = mosaic_q if name.startswith("mosaic") else ours_q
         if do_check:
           cr = quantize[name](k, v, ragged)
-          out = ours_q(q, cr)
+          out = fn(q, cr)
           checks[f"B{b}_T{t}_{name}"] = rel_err(out, reference.quantized_decode_attention(q, cr))
           checks[f"B{b}_T{t}_{name}_vs_bf16"] = rel_err(out, reference.decode_attention_bf16(q, k, v, ragged))
           del cr
         c = quantize[name](k, v, full)
         nbytes = c.nbytes
         sets = copies(nbytes, lambda i: (q, c if i == 0 else jax.tree.map(jnp.copy, c)))
-        tm = timeit(ours_q, sets)
+        tm = timeit(fn, sets)
         res[name] = {"ms": tm * 1e3, "bytes": nbytes, "TBps": nbytes / tm / 1e12,
                      "bits_per_element": c.bits_per_element, "setup_s": time.time() - tq}
         log(f"B={b} T={t} {name:10s} {tm * 1e3:8.3f} ms {nbytes / tm / 1e12:6.2f} TB/s "
@@ -262,11 +266,12 @@ def main():
     log(f"  {kname:32s} {e:.2e}")
   log(f"\n{info}")
   hdr = f"{'B':>2} {'T':>7} | " + " | ".join(f"{m:>20s}" for m in
-                                             ("xla_bf16", "pallas_gqa", "ours_bf16", "ours_2b2", "ours_seed"))
+                                             ("xla_bf16", "pallas_gqa", "ours_bf16", "ours_2b2", "ours_seed",
+                                              "mosaic_2b2"))
   log(hdr)
   for r in rows:
     cells = []
-    for m in ("xla_bf16", "pallas_gqa", "ours_bf16", "ours_2b2", "ours_seed"):
+    for m in ("xla_bf16", "pallas_gqa", "ours_bf16", "ours_2b2", "ours_seed", "mosaic_2b2"):
       x = r.get(m)
       cells.append(f"{x['ms']:8.3f}ms {x['TBps']:5.2f}TB/s" if x else f"{'-':>20s}")
     log(f"{r['B']:>2} {r['T']:>7} | " + " | ".join(cells))

@@ -2,7 +2,8 @@
 
 The CPU test suite runs the kernel in interpret mode, where the dequantization is
 plain jnp; this script checks the inline-PTX path the GPU compiles.
-Usage (device machine): PYTHONPATH=. python3 experiments/check_decode_gpu.py [--quick]
+Usage (device machine): PYTHONPATH=. python3 experiments/check_decode_gpu.py [--quick] [--mosaic]
+(--mosaic: the Mosaic GPU kernel, on the layouts it supports)
 """
 import itertools
 import sys
@@ -12,6 +13,7 @@ import numpy as np
 
 from pallas_kernels import kv_quant as kq
 from pallas_kernels import reference
+from pallas_kernels import decode_attention_mgpu as mgpu
 from pallas_kernels.decode_attention import decode_attention
 
 
@@ -24,6 +26,7 @@ def main():
   worst = 0.0
   rng = np.random.default_rng(0)
   quick = "--quick" in sys.argv          # one group size, two outlier fractions
+  backend = "mosaic" if "--mosaic" in sys.argv else "triton"
   cases = itertools.product((2, 3, 4, 8), ((32, 32, 4),) if quick else ((16, 0, 0), (32, 32, 4), (64, 64, 0)),
                             (("channel", "token"), ("token", "channel")),
                             (0.02, 0.15) if quick else (0.0, 0.02, 0.15))
@@ -37,7 +40,9 @@ def main():
     lengths = jnp.array([t, 517, 3])
     cache = kq.quantize_kv(jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32), cfg,
                            max_len=1024, lengths=lengths)
-    out = decode_attention(q, cache)
+    if backend == "mosaic" and not mgpu.supports(cache.layout, ratio):
+      continue
+    out = decode_attention(q, cache, backend=backend)
     ref = reference.quantized_decode_attention(q, cache)
     e = rel(out, ref)
     worst = max(worst, e)

@@ -21,7 +21,7 @@ values ``[B, H, T, D]``:
   sink_tokens, key_axis, value_axis, meta_dtype, dtype)``.
 * ``quantize_kv(k, v, config, max_len=, lengths=, k_outlier_idx=, v_outlier_idx=)
   -> QuantizedKV``: a pytree of static shapes (capacity ``max_len``): uint16 codes
-  packed along tokens (stride 32), scales and zeros (``meta_dtype``), 16-bit
+  packed along tokens (stride 64), scales and zeros (``meta_dtype``), 16-bit
   outlier channels and their int32 indices, a full-precision sink + window ring,
   int32 lengths. ``.append(k_new [B, H, D], v_new)`` (jit-able; flushes whole
   groups), ``.dequantize() -> (k, v, valid)``, ``.nbytes``, ``.bits_per_element``.

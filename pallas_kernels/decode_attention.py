@@ -5,9 +5,10 @@ query heads: ``Hq`` a multiple of the cache's ``H``; per-sequence lengths) with 
 split-K ("flash-decoding") Pallas kernel:
 
 * grid ``(B, H, num_splits + 1)``. Program ``(b, h, s < num_splits)`` walks its
-  share of the quantized region one 32-token *slot* per loop step: slot ``j`` of
-  a ``[32, D_pad]`` tile of uint16 code words (``kv_quant`` layout) is
-  dequantized to a ``[32, D_pad]`` fp16 tile in registers (inline PTX, two
+  share of the quantized region 32 tokens per loop step (half of a 64-token
+  code *slot*): the ``[32, D_pad]`` uint16 code words of those tokens
+  (``kv_quant`` layout) are dequantized to a ``[32, D_pad]`` fp16 tile in
+  registers (inline PTX, two
   values per 32-bit register: see ``_dequant``), then ``scores = q_low . k^T``
   on the tensor cores (+ the 16-bit outlier channels), one online-softmax
   update (exp2; log2(e) is folded into the query), ``acc += p . v``. Slots past
@@ -185,7 +186,8 @@ def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_
     ngp = dt // G
     gcols = jnp.arange(ngp, dtype=jnp.int32)
     gmask = None if ngp == lay.n_groups_tok else lay.n_groups_tok
-    s, z = (_tile(ref, t0 + arT, gcols, None, gmask, jnp.float32) for ref in (sref, zref))
+    # stored token-minor [n_groups, Cq]: load [ngp, T], broadcast each group over its G channels
+    s, z = (_tile(ref, gcols, t0 + arT, gmask, None, jnp.float32).T for ref in (sref, zref))
     s, z = _dequant_meta(s, z, bits)
     return tuple(jnp.broadcast_to(x[:, :, None], (T, ngp, G)).reshape(T, dt) for x in (s, z))
 
@@ -215,11 +217,11 @@ def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_
       if fma_out:
         # few outlier channels: rank-1 updates on the CUDA cores beat a padded dot
         for c in range(n_out):
-          ko = pltriton.load(r["k_outliers"].at[t0 + arT, c]).astype(jnp.float32)
+          ko = pltriton.load(r["k_outliers"].at[c, t0 + arT]).astype(jnp.float32)
           s = s + q_cols[c][:, None] * ko[None, :]
       elif n_out:
-        ko = _tile(r["k_outliers"], t0 + arT, ocols, None, omask)
-        s = s + _dot_t(q_out, ko)
+        ko_t = _tile(r["k_outliers"], ocols, t0 + arT, omask, None)     # [nop, T]
+        s = s + _dot(q_out, ko_t)
       if G < T:                                  # nq is a multiple of G only
         valid = valid & (gs * T + arT < nq)
       elif valid is not True:
@@ -234,12 +236,12 @@ def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_
       if fma_out:
         upd = accs[1]
         for c in range(n_out):
-          vo = pltriton.load(r["v_outliers"].at[t0 + arT, c]).astype(jnp.float32)
+          vo = pltriton.load(r["v_outliers"].at[c, t0 + arT]).astype(jnp.float32)
           upd = upd + jnp.where(ocols[None, :] == c, jnp.sum(p * vo[None, :], axis=1)[:, None], 0.0)
         new.append(upd)
       elif n_out:
-        vo = _tile(r["v_outliers"], t0 + arT, ocols, None, omask)
-        new.append(accs[1] + _dot(p, vo))
+        vo_t = _tile(r["v_outliers"], ocols, t0 + arT, omask, None)     # [nop, T]
+        new.append(accs[1] + _dot_t(p, vo_t))
       return new
 
     def body(i, carry):
@@ -424,7 +426,7 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
 def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None = None,
                      num_splits: int | None = None, num_warps: int = 1, num_stages: int = 1,
                      slots_per_step: int = 1, step_tokens: int = 32,
-                     interpret: bool | None = None) -> jax.Array:
+                     backend: str = "triton", interpret: bool | None = None) -> jax.Array:
   """Attention of one query token per sequence to a quantized KV cache.
 
   Args:
@@ -438,9 +440,12 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
     num_warps, num_stages: Triton launch settings. 1 warp, 1 stage, 15 splits was
       the fastest of 26 variants on an H200 at B=8, 32k (0.354 ms; 2 warps 0.484,
       4 warps 0.881; experiments/bench_decode_attention.py --variants).
-    step_tokens: tokens per unit of work, 32 (a whole code slot) or 16 (half of
-      one: smaller register tiles).
+    step_tokens: tokens per unit of work, 32 (half a 64-token code slot) or 16
+      (smaller register tiles).
     slots_per_step: units per loop step (1, 2 or 4): one softmax rescale per step.
+    backend: "triton" (this module's kernel: every layout, GPU or interpret mode)
+      or "mosaic" (``decode_attention_mgpu``: Hopper GPUs, the layouts its
+      ``supports`` accepts; num_warps/num_stages/step options do not apply).
     interpret: ``None`` = compiled on GPU (dequantization in inline PTX),
       interpreted on CPU (the same arithmetic in ``jnp``).
   Returns:
@@ -456,9 +461,17 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
     raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({kv.num_heads})")
   if slots_per_step not in (1, 2, 4):
     raise ValueError(f"slots_per_step must be 1, 2 or 4, got {slots_per_step!r}")
-  if step_tokens not in (16, kq.PACK_STRIDE):
-    raise ValueError(f"step_tokens must be 16 or {kq.PACK_STRIDE}, got {step_tokens!r}")
+  if step_tokens not in (16, 32):
+    raise ValueError(f"step_tokens must be 16 or 32, got {step_tokens!r}")
   sm_scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
+  if backend == "mosaic":
+    from pallas_kernels import decode_attention_mgpu as mgpu
+    if not mgpu.supports(kv.layout, hq // kv.num_heads):
+      raise ValueError(f"the Mosaic GPU decode kernel does not support this cache layout "
+                       f"({kv.layout.config}, D_pad={kv.layout.d_pad}); use backend='triton'")
+    return mgpu.decode_attention_mgpu(q, kv, sm_scale=sm_scale, num_splits=num_splits)
+  if backend != "triton":
+    raise ValueError(f"backend must be 'triton' or 'mosaic', got {backend!r}")
   return _decode_quant(q, kv, sm_scale=sm_scale, num_splits=num_splits, num_warps=num_warps,
                        num_stages=num_stages, slots_per_step=slots_per_step, step_tokens=step_tokens,
                        interpret=resolve_interpret(interpret))

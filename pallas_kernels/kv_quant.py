@@ -39,14 +39,17 @@ Arrays (``Cq`` = quantized capacity in tokens, ``cpw`` = codes per uint16 word:
 8, 5, 4, 2 for 2, 3, 4, 8 bits):
 
 * ``k_codes``, ``v_codes``: ``uint16[B, H, Cq // cpw, D_pad]`` - packed along the
-  token axis with stride 32 (``packing`` module, ``word_bits=16``): word row
-  ``32*b + r`` slot ``j`` holds token ``b*32*cpw + 32*j + r``; one word per
-  channel. 16-bit words let the decode kernel turn the words of two neighbouring
-  channels (one 32-bit register) into two fp16 values with three instructions.
+  token axis with stride 64 (``packing`` module, ``word_bits=16``): word row
+  ``64*b + r`` slot ``j`` holds token ``b*64*cpw + 64*j + r``; one word per
+  channel. A ``[64, D_pad]`` tile of words (one TMA box) thus holds ``cpw`` slots of
+  64 consecutive tokens each, the row count of one warpgroup MMA operand. 16-bit
+  words let the decode kernels turn the words of two neighbouring channels (one
+  32-bit register) into two fp16 values with three instructions.
 * ``k_scale``, ``k_zero`` (and ``v_*``): metadata dtype; ``[B, H, Cq // G, D_pad]``
-  for ``axis="channel"``, ``[B, H, Cq, ceil(D_low / G)]`` for ``axis="token"``.
-* ``k_outliers``, ``v_outliers``: ``[B, H, Cq, n_out]`` full-precision values of the
-  outlier channels of quantized tokens.
+  for ``axis="channel"``, ``[B, H, ceil(D_low / G), Cq]`` for ``axis="token"``
+  (token-minor, so a tile's metadata is one contiguous copy).
+* ``k_outliers``, ``v_outliers``: ``[B, H, n_out, Cq]`` full-precision values of the
+  outlier channels of quantized tokens (token-minor, likewise).
 * ``k_outlier_idx``, ``v_outlier_idx``: ``int32[B, H, n_out]``, ascending.
 * ``k_fp``, ``v_fp``: ``[B, H, S + R + G, D]`` full precision: slots ``[0, S)`` are
   the sinks, slot ``S + (p - S) % (R + G)`` holds window position ``p`` (a ring).
@@ -67,7 +70,7 @@ import numpy as np
 
 from pallas_kernels import packing
 
-PACK_STRIDE = 32          # words per pack block along the token axis (= tokens per kernel slot)
+PACK_STRIDE = 64          # words per pack block along the token axis (= tokens per code slot)
 WORD_BITS = 16            # uint16 code words
 _AXES = ("channel", "token")
 _META_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
@@ -149,7 +152,7 @@ class KVLayout:
   @property
   def cpw(self): return packing.codes_per_word(self.config.bits, WORD_BITS)
   @property
-  def pack_tokens(self): return PACK_STRIDE * self.cpw          # P: tokens per 32-word tile
+  def pack_tokens(self): return PACK_STRIDE * self.cpw          # P: tokens per 64-word tile
   @property
   def n_out(self): return self.config.num_outliers(self.head_dim)
   @property
@@ -173,7 +176,7 @@ class KVLayout:
     g = self.config.group_size
     if axis == "channel":
       return (self.cq // g, self.d_pad)
-    return (self.cq, self.n_groups_tok)
+    return (self.n_groups_tok, self.cq)
 
   def num_quantized(self, lengths):
     """nq: tokens in the quantized region for sequences of these lengths."""
@@ -489,9 +492,10 @@ def quantize_kv(k: jax.Array, v: jax.Array, config: KVQuantConfig, *,
     codes, scale, zero, outl = _quantize_tokens(region(x.astype(fd)), idx, layout, axis, valid_tok)
     fields[f"{name}_codes"] = packing.pack_jnp(codes, config.bits, axis=2, stride=PACK_STRIDE,
                                                word_bits=WORD_BITS)
-    fields[f"{name}_scale"] = scale
-    fields[f"{name}_zero"] = zero
-    fields[f"{name}_outliers"] = outl
+    tm = axis == "token"
+    fields[f"{name}_scale"] = jnp.swapaxes(scale, 2, 3) if tm else scale
+    fields[f"{name}_zero"] = jnp.swapaxes(zero, 2, 3) if tm else zero
+    fields[f"{name}_outliers"] = jnp.swapaxes(outl, 2, 3)
     fields[f"{name}_outlier_idx"] = idx
     fields[f"{name}_fp"] = fp_buffer(x)
   return QuantizedKV(lengths=lengths, layout=layout, **fields)
@@ -575,9 +579,9 @@ def append_kv(cache: QuantizedKV, k_new: jax.Array, v_new: jax.Array) -> Quantiz
           jnp.where(flush[:, None, None], zero[:, :, 0, :], old))
     else:
       for f, val in (("scale", scale), ("zero", zero)):
-        new[f"{name}_{f}"] = _update_rows(new[f"{name}_{f}"], val, g0, fl)
-    new[f"{name}_outliers"] = _update_rows(new[f"{name}_outliers"], outl, g0, fl)
-    # packed codes: each chunk of min(G, 32) tokens lies in one slot of one 32-word tile
+        new[f"{name}_{f}"] = _update_cols(new[f"{name}_{f}"], val, g0, fl)
+    new[f"{name}_outliers"] = _update_cols(new[f"{name}_outliers"], outl, g0, fl)
+    # packed codes: each chunk of min(G, 64) tokens lies in one slot of one 64-word tile
     words = new[f"{name}_codes"]
     p, n = layout.pack_tokens, min(g, PACK_STRIDE)
     wdt = words.dtype
@@ -594,12 +598,14 @@ def append_kv(cache: QuantizedKV, k_new: jax.Array, v_new: jax.Array) -> Quantiz
   return QuantizedKV(layout=layout, **new)
 
 
-def _update_rows(arr, val, start, flush):
-  """arr[b, :, start[b]:start[b]+n] = val[b] where flush[b] ([B,1,1,1])."""
-  n = val.shape[2]
-  old = jax.vmap(lambda a, r: jax.lax.dynamic_slice_in_dim(a, r, n, axis=1))(arr, start)
+def _update_cols(arr, val, start, flush):
+  """Token-minor ``arr [B, H, n, Cq]``: arr[b, :, :, start[b]:start[b]+t] = val[b]^T
+  where flush[b] ([B,1,1,1]); ``val [B, H, t, n]``."""
+  val = jnp.swapaxes(val, 2, 3)
+  t = val.shape[3]
+  old = jax.vmap(lambda a, r: jax.lax.dynamic_slice_in_dim(a, r, t, axis=2))(arr, start)
   upd = jnp.where(flush, val.astype(arr.dtype), old)
-  return jax.vmap(lambda a, u, r: jax.lax.dynamic_update_slice_in_dim(a, u, r, axis=1))(arr, upd, start)
+  return jax.vmap(lambda a, u, r: jax.lax.dynamic_update_slice_in_dim(a, u, r, axis=2))(arr, upd, start)
 
 
 # --- dequantize -------------------------------------------------------------------------
@@ -608,6 +614,9 @@ def _update_rows(arr, val, start, flush):
 def dequantize_region(codes_packed, scale, zero, outliers, outlier_idx, layout: KVLayout, axis: str):
   """Quantized region -> float32 ``[B, H, Cq, D]`` in original channel order."""
   cfg = layout.config
+  if axis == "token":                      # stored token-minor: back to [B, H, Cq, n]
+    scale, zero = jnp.swapaxes(scale, 2, 3), jnp.swapaxes(zero, 2, 3)
+  outliers = jnp.swapaxes(outliers, 2, 3)
   codes = packing.unpack_jnp(codes_packed, cfg.bits, axis=2, stride=PACK_STRIDE, word_bits=WORD_BITS,
                              dtype=jnp.uint32).astype(jnp.float32)
   b, h, cq, dp = codes.shape

@@ -30,8 +30,8 @@ def _element_scales(cache, name):
   axis = getattr(cfg, f"{name[0]}ey_axis" if name == "k" else "value_axis")
   if axis == "channel":
     s_lo = jnp.repeat(s, g, axis=2)[..., :lay.d_low]
-  else:
-    s_lo = jnp.repeat(s, g, axis=3)[..., :lay.d_low]
+  else:                                   # stored token-minor [B, H, n_groups, Cq]
+    s_lo = jnp.repeat(jnp.swapaxes(s, 2, 3), g, axis=3)[..., :lay.d_low]
   lo = kq.low_channel_index(getattr(cache, f"{name}_outlier_idx"), lay.head_dim)
   b, h, cq, _ = s_lo.shape
   out = jnp.zeros((b, h, cq, lay.head_dim))

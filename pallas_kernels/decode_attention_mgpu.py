@@ -1,0 +1,381 @@
+"""Quantized-KV decode attention for Hopper GPUs, written with Pallas' Mosaic GPU backend.
+
+The same function as ``decode_attention.decode_attention`` (one query token per
+sequence against a ``QuantizedKV``), laid out so that the tensor cores see no
+padding on the token axis and the dequantized tiles never leave registers:
+
+* One warpgroup (128 threads) per program ``(b, h, split)``. A TMA pipeline
+  (``plgpu.emit_pipeline``, two stages) brings one ``[64, D_pad]`` tile of
+  uint16 code words per step for keys and for values (``cpw`` slots of 64
+  consecutive tokens each: 512 tokens at 2 bits), with the tile's scales,
+  zero-points and outlier values.
+* Per 64-token slot ``j``: keys are dequantized into the register layout of a
+  ``wgmma`` A operand (``[64 tokens, D_pad]`` fp16) and multiplied by the
+  query held in shared memory, ``scores^T [64, 16] = k . q^T`` (the query heads
+  of one kv-head, padded to 16, are the MMA's N). The online softmax runs down
+  the token axis; ``p^T`` goes to shared memory as the B operand of
+  ``out^T [D_pad, 16] += v^T . p^T``, whose A operand ``v^T`` is again
+  dequantized in registers (loaded transposed, then moved to the MMA layout).
+* Outlier channels (at most four) are rank-1 updates on the CUDA cores.
+* Sinks and the full-precision window are attended in plain ``jnp`` (a few
+  dozen tokens); the partials are merged in log2 units as in the Triton kernel.
+
+Supported (``supports(layout, num_q_heads)``): keys per channel and values per
+token (KIVI's assignment), ``D_pad`` a multiple of 64, ``group_size`` >= 32
+dividing the 64-token slot or a multiple of it, at most 4 outlier channels
+and at most 16 query heads per kv-head. Anything else goes to the Triton kernel.
+It runs on sm_90 only (no interpret mode: the dequantization works on the
+registers of the MMA layout); ``experiments/check_decode_gpu.py`` checks it
+against the reference on the GPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm
+
+from pallas_kernels import kv_quant as kq
+
+NEG = -1e30
+LOG2E = 1.4426950408889634
+NQ = 16                    # query heads per kv-head, padded: the N of both MMAs
+SLOT = kq.PACK_STRIDE      # 64 tokens per code slot = M of the key MMA
+MAX_OUTLIERS = 4
+_NOP = lambda n: 2 if n <= 2 else 4   # outlier rows of the small buffers (copies of >= 128 bytes)
+_TARGET_PROGRAMS = 1024
+
+
+def supports(layout: kq.KVLayout, num_q_heads_per_kv: int) -> bool:
+  """Whether this kernel handles caches of this layout (else use the Triton kernel)."""
+  cfg = layout.config
+  g = cfg.group_size
+  tile = SLOT * layout.cpw
+  return (cfg.key_axis == "channel" and cfg.value_axis == "token"
+          and layout.d_pad % 64 == 0 and layout.cq > 0
+          and g >= 32 and (SLOT % g == 0 or g % SLOT == 0) and tile % g == 0
+          and layout.n_out <= MAX_OUTLIERS and num_q_heads_per_kv <= NQ)
+
+
+def _chunk(tile_tokens):
+  """Tokens per TMA box of the token-minor arrays: <= 256 and dividing the tile."""
+  return next(c for c in (256, 128, 64) if tile_tokens % c == 0)
+
+
+def _swizzled(minor_bytes):
+  sw = next(s for s in (128, 64, 32) if minor_bytes % s == 0)
+  return sw
+
+
+def _transforms(minor_elems, itemsize):
+  sw = _swizzled(minor_elems * itemsize)
+  return (plgpu.TilingTransform((8, sw // itemsize)), plgpu.SwizzleTransform(sw))
+
+
+COL = plgpu.Layout.WGMMA.reduce(0)    # a vector along the columns of a WGMMA-layout array
+ROW = plgpu.Layout.WGMMA.reduce(1)    # ... along its rows
+
+
+def _col(x):
+  return plgpu.layout_cast(x, COL)
+
+
+def _ld(ref, idx, layout):
+  return plgpu.load(ref, idx, layout=layout).astype(jnp.float32)
+
+
+
+def _meta_pair(s, z, bits):
+  """Metadata (fp8/bf16/fp16) -> fp16 (s * 2**bits, z - s * 2**bits): x = v * s2 + z2
+  for v = 1 + code * 2**-bits. Both in fp16: 2**bits is exact, the subtraction is
+  rounded once (as the Triton kernel does it in float32 and then rounds)."""
+  s16, z16 = s.astype(jnp.float16), z.astype(jnp.float16)
+  s2 = s16 * jnp.float16(1 << bits)
+  return s2, z16 - s2
+
+
+def _dequant_asm(bits, slot):
+  """Two fp16 from the uint16 words of two neighbouring channels (one 32-bit register):
+  rotate slot ``slot``'s codes to the top mantissa bits of both halves, mask, OR in 1.0
+  (lop3), then ``v * s2 + z2`` (fma.f16x2). Three instructions per pair."""
+  top = ((1 << bits) - 1) << (10 - bits)
+  rot = (slot * bits - (10 - bits)) % 32
+  return ("{ .reg .b32 t; "
+          f"shf.r.wrap.b32 t, $1, $1, {rot}; "
+          f"lop3.b32 t, t, {top | (top << 16):#010x}, 0x3c003c00, 0xea; "
+          "fma.rn.f16x2 $0, t, $2, $3; }")
+
+
+def _dequant(words, metas, *, bits, slot, group_of):
+  """uint16 code words [M, N] (WGMMA layout) -> fp16 [M, N] (WGMMA layout), in registers.
+
+  metas: ``[(s2, z2), ...]`` fp16 vectors along the columns (``COL``), one pair per
+  metadata group; ``group_of(m_tile, upper)`` names the group of the rows a thread
+  holds in row tile ``m_tile`` (``upper``: warps 2-3, i.e. rows 32-63 of the tile;
+  None when the group does not depend on it).
+  """
+  shape = words.shape
+  wl = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(wl, [(COL, COL)] * len(metas)),
+                     return_type=plgpu.ShapeDtypeStruct(shape, jnp.float16, wl))
+  def fn(ctx, w, ms):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+    warp_in_wg = arith.andi(mgpu_utils.warp_idx(sync=True), arith.constant(i32, 3))
+    upper = arith.cmpi(arith.CmpIPredicate.uge, warp_in_wg, arith.constant(i32, 2))
+    asm = _dequant_asm(bits, slot)
+    regs = w.registers
+    out = regs.copy()
+    for idx in np.ndindex(regs.shape):
+      mt, k = idx[0], idx[1]
+      g = group_of(mt)
+      if isinstance(g, tuple):                    # (group of rows 0-31, group of rows 32-63)
+        s_lo, z_lo = ms[g[0]]
+        s_hi, z_hi = ms[g[1]]
+        s2 = arith.select(upper, s_hi.registers.flat[k], s_lo.registers.flat[k])
+        z2 = arith.select(upper, z_hi.registers.flat[k], z_lo.registers.flat[k])
+      else:
+        s2, z2 = ms[g][0].registers.flat[k], ms[g][1].registers.flat[k]
+      r = llvm.inline_asm(i32, [mgpu_utils.bitcast(regs[idx], i32), mgpu_utils.bitcast(s2, i32),
+                                mgpu_utils.bitcast(z2, i32)], asm, "=r,r,r,r")
+      out[idx] = mgpu_utils.bitcast(r, f16x2)
+    return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+  return fn(words, list(metas))
+
+
+def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
+            o_ref, oo_ref, m_ref, l_ref,
+            q_smem, qo_smem, p_smem, o_smem, oo_smem, ml_smem, bar,
+            *, lay: kq.KVLayout, bps: int, ablate: frozenset = frozenset()):
+  cfg = lay.config
+  bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
+  dp, n_out, ng = lay.d_pad, lay.n_out, lay.n_groups_tok
+  P = SLOT * cpw                                    # tokens per tile
+  C = _chunk(P)                                     # token-minor arrays: [n, Cq // C, C] (TMA boxes <= 256)
+  kr = max(1, P // G)                               # key-metadata rows per tile
+  b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+  nq = nq_ref[b]
+  tile0 = sp * bps
+
+  plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, bar.at[0])
+  if n_out:
+    plgpu.copy_gmem_to_smem(qo_ref.at[b, h], qo_smem, bar.at[0])
+  plgpu.barrier_wait(bar.at[0])
+  q_out = [_ld(qo_smem, (o,), COL) for o in range(n_out)]              # [NQ] f32 each
+
+  rows = plgpu.broadcasted_iota(jnp.int32, (SLOT, NQ), 0, layout=plgpu.Layout.WGMMA)
+  k_groups = SLOT // G if G < SLOT else 1           # key-metadata groups per 64-token slot
+
+  def v_group_of(mt):                               # value-metadata group of a v^T row tile
+    if G >= SLOT:
+      return min(mt * SLOT // G, ng - 1)
+    return (min(2 * mt, ng - 1), min(2 * mt + 1, ng - 1))
+
+  def body(idx, kc, ks, kz, ko, vc, vs, vz, vo, carry):
+    (i,) = idx
+    m, l, acc, acc_vo = carry
+    tbase = (tile0 + i) * P
+    for j in range(cpw):
+      # --- keys: [64 tokens, dp] fp16 in the A-operand layout
+      kw = plgpu.load(kc, (), layout=plgpu.Layout.WGMMA)                      # [64, dp] u16
+      kmeta = [_meta_pair(plgpu.load(ks, ((j * SLOT + u * G) // G,), layout=COL),
+                          plgpu.load(kz, ((j * SLOT + u * G) // G,), layout=COL), bits)
+               for u in range(k_groups)]
+      k16 = _dequant(kw, kmeta, bits=bits, slot=j,
+                     group_of=lambda mt: (0, 1) if k_groups == 2 else 0)
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, k16, plgpu.transpose_ref(q_smem, (1, 0)))
+        return acc_ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC((SLOT, NQ), jnp.float32))               # [64, NQ]
+      ko_j = [_ld(ko, (o, j * SLOT // C, pl.ds(j * SLOT % C, SLOT)), ROW) for o in range(n_out)]
+      for o in range(0 if "out" in ablate else n_out):
+        s = s + lax.broadcast_in_dim(ko_j[o], s.shape, [0]) * lax.broadcast_in_dim(q_out[o], s.shape, [1])
+      tok = tbase + j * SLOT + rows
+      s = jnp.where(tok < nq, s, NEG)
+
+      # --- online softmax down the token axis (log2 units)
+      m_new = m if "max" in ablate else jnp.maximum(m, s.max(axis=0))
+      corr = jnp.exp2(m - m_new)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+      l = l * corr + p.sum(axis=0)
+      m = m_new
+      acc = acc * lax.broadcast_in_dim(corr, acc.shape, [1])
+      vo_j = [_ld(vo, (o, j * SLOT // C, pl.ds(j * SLOT % C, SLOT)), ROW) for o in range(n_out)]
+      if "out" not in ablate:
+        acc_vo = tuple(a * lax.broadcast_in_dim(corr, a.shape, [1])
+                       + lax.broadcast_in_dim(vo_j[o], p.shape, [0]) * p
+                       for o, a in enumerate(acc_vo))
+      p_smem[...] = p.astype(jnp.float16)
+      plgpu.commit_smem()
+
+      # --- values: v^T [dp, 64 tokens] fp16 in the A-operand layout
+      vw = plgpu.layout_cast(
+          plgpu.load(plgpu.transpose_ref(vc, (1, 0)), (), layout=plgpu.Layout.WGMMA_TRANSPOSED),
+          plgpu.Layout.WGMMA)                                                  # [dp, 64] u16
+      tix = lambda g: (g, j * SLOT // C, pl.ds(j * SLOT % C, SLOT))
+      vmeta = [_meta_pair(plgpu.load(vs, tix(g), layout=COL), plgpu.load(vz, tix(g), layout=COL), bits)
+               for g in range(ng)]
+      v16 = _dequant(vw, vmeta, bits=bits, slot=j, group_of=v_group_of)
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, v16, p_smem)
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    return m, l, acc, acc_vo
+
+  specs = [
+      plgpu.BlockSpec((SLOT, dp), lambda i: (tile0 + i, 0), transforms=_transforms(dp, 2)),   # k codes
+      plgpu.BlockSpec((kr, dp), lambda i: (tile0 + i, 0)),                                     # k scale
+      plgpu.BlockSpec((kr, dp), lambda i: (tile0 + i, 0)),                                     # k zero
+      plgpu.BlockSpec((max(n_out, 1), P // C, C), lambda i: (0, tile0 + i, 0)),                # k outliers
+      plgpu.BlockSpec((SLOT, dp), lambda i: (tile0 + i, 0), transforms=_transforms(dp, 2)),   # v codes
+      plgpu.BlockSpec((ng, P // C, C), lambda i: (0, tile0 + i, 0)),                           # v scale
+      plgpu.BlockSpec((ng, P // C, C), lambda i: (0, tile0 + i, 0)),                           # v zero
+      plgpu.BlockSpec((max(n_out, 1), P // C, C), lambda i: (0, tile0 + i, 0)),                # v outliers
+  ]
+  init = (
+      _col(jnp.full((NQ,), NEG, jnp.float32)),
+      _col(jnp.zeros((NQ,), jnp.float32)),
+      plgpu.layout_cast(jnp.zeros((dp, NQ), jnp.float32), plgpu.Layout.WGMMA),
+      tuple(plgpu.layout_cast(jnp.zeros((SLOT, NQ), jnp.float32), plgpu.Layout.WGMMA)
+            for _ in range(n_out)),
+  )
+  at = lambda r: r.at[b, h]
+  m, l, acc, acc_vo = plgpu.emit_pipeline(
+      body, grid=(bps,), in_specs=specs, max_concurrent_steps=2, init_carry=init,
+  )(at(kc_ref), at(ks_ref), at(kz_ref), at(ko_ref), at(vc_ref), at(vs_ref), at(vz_ref), at(vo_ref))
+
+  o_smem[...] = acc
+  for o in range(n_out):
+    oo_smem[o] = acc_vo[o].sum(axis=0)
+  ml_smem[0] = m
+  ml_smem[1] = l
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, sp])
+  if n_out:
+    plgpu.copy_smem_to_gmem(oo_smem, oo_ref.at[b, h, sp])
+  plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[b, h, sp])
+  plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[b, h, sp])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _choose_splits(n_tiles, batch_heads, num_splits):
+  if num_splits is None:
+    num_splits = max(1, -(-_TARGET_PROGRAMS // batch_heads))
+  num_splits = max(1, min(int(num_splits), n_tiles))
+  # a divisor of n_tiles, so every split's pipeline stays inside the cache
+  while n_tiles % num_splits:
+    num_splits -= 1
+  return num_splits, n_tiles // num_splits
+
+
+def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, ablate=frozenset()):
+  """Kernel partials over the quantized region.
+
+  qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
+  Returns (m, l ``[B, H, NS, g]``, o_lo ``[B, H, NS, g, D_pad]`` (low channels in
+  cache order), o_out ``[B, H, NS, g, n_out]``), unnormalized, log2 units.
+  """
+  lay = kv.layout
+  b, h, g, d = qg.shape
+  dp, n_out = lay.d_pad, lay.n_out
+  n_tiles = lay.cq // (SLOT * lay.cpw)
+  ns, bps = _choose_splits(n_tiles, b * h, num_splits)
+  lo_idx = kq.low_channel_index(kv.k_outlier_idx, d)
+  q_lo = jnp.take_along_axis(qg, lo_idx[:, :, None, :], axis=3)
+  q_lo = jnp.pad(q_lo, [(0, 0), (0, 0), (0, NQ - g), (0, dp - lay.d_low)]).astype(jnp.float16)
+  q_out = jnp.take_along_axis(qg, kv.k_outlier_idx[:, :, None, :], axis=3)       # [B,H,g,n_out]
+  nop = _NOP(n_out)
+  q_out = jnp.pad(jnp.swapaxes(q_out, 2, 3), [(0, 0), (0, 0), (0, nop - n_out), (0, NQ - g)])
+  ko, vo = kv.k_outliers, kv.v_outliers
+  if not n_out:
+    ko = vo = jnp.zeros((b, h, 1, lay.cq), jnp.bfloat16)
+  nq = lay.num_quantized(kv.lengths)
+  c = _chunk(SLOT * lay.cpw)
+  tm = lambda x: x.reshape(x.shape[:3] + (x.shape[3] // c, c))      # token-minor: [.., n, Cq/C, C]
+
+  f32 = jnp.float32
+  out_types = (
+      jax.ShapeDtypeStruct((b, h, ns, dp, NQ), f32),
+      jax.ShapeDtypeStruct((b, h, ns, nop, NQ), f32),
+      jax.ShapeDtypeStruct((b, h, ns, NQ), f32),
+      jax.ShapeDtypeStruct((b, h, ns, NQ), f32),
+  )
+  scratch = [
+      plgpu.SMEM((NQ, dp), jnp.float16, transforms=_transforms(dp, 2)),
+      plgpu.SMEM((nop, NQ), f32),
+      plgpu.SMEM((SLOT, NQ), jnp.float16, transforms=_transforms(NQ, 2)),
+      plgpu.SMEM((dp, NQ), f32),
+      plgpu.SMEM((nop, NQ), f32),
+      plgpu.SMEM((2, NQ), f32),
+      plgpu.Barrier(num_barriers=1, num_arrivals=1 + (n_out > 0)),
+  ]
+  kern = plgpu.kernel(
+      functools.partial(_kernel, lay=lay, bps=bps, ablate=ablate),
+      out_type=out_types, grid=(b, h, ns), grid_names=("b", "h", "s"),
+      scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024),
+  )
+  o_lo, o_out, m, l = kern(nq, q_lo, q_out.astype(f32), kv.k_codes, kv.k_scale, kv.k_zero, tm(ko),
+                           kv.v_codes, tm(kv.v_scale), tm(kv.v_zero), tm(vo))
+  o_lo = jnp.swapaxes(o_lo, 3, 4)[:, :, :, :g]
+  o_out = jnp.swapaxes(o_out, 3, 4)[:, :, :, :g, :n_out]
+  return m[..., :g], l[..., :g], o_lo, o_out
+
+
+def fp_partial(qg, kv: kq.QuantizedKV):
+  """Sinks and window ring in plain jnp: (m, l [B, H, g], o [B, H, g, D]) in channel order."""
+  lay = kv.layout
+  cfg = lay.config
+  pos, held = kq._fp_slot_positions(lay, kv.lengths)
+  nq = lay.num_quantized(kv.lengths)
+  s_ = cfg.sink_tokens
+  valid = held & ((pos < s_) | (pos >= s_ + nq[:, None]))                        # [B, F]
+  s = jnp.einsum("bhgd,bhfd->bhgf", qg, kv.k_fp.astype(jnp.float32))
+  s = jnp.where(valid[:, None, None, :], s, NEG)
+  m = s.max(-1)
+  p = jnp.where(valid[:, None, None, :], jnp.exp2(s - m[..., None]), 0.0)
+  return m, p.sum(-1), jnp.einsum("bhgf,bhfd->bhgd", p, kv.v_fp.astype(jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "ablate"))
+def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
+                          ablate: frozenset = frozenset()):
+  """``[B, Hq, D]`` attention output; see the module docstring. Call through
+  ``decode_attention(..., backend="mosaic")`` or check ``supports`` first."""
+  from pallas_kernels.decode_attention import _combine, _pad_to
+  lay = kv.layout
+  b, hq, d = q.shape
+  h = kv.num_heads
+  g = hq // h
+  qg = (q.astype(jnp.float32) * (sm_scale * LOG2E)).reshape(b, h, g, d)
+  m, l, o_lo, o_out = quantized_partials(qg, kv, num_splits=num_splits, ablate=ablate)
+  mf, lf, of = fp_partial(qg, kv)
+  v_lo_idx = kq.low_channel_index(kv.v_outlier_idx, d)
+  f_lo = _pad_to(jnp.take_along_axis(of, v_lo_idx[:, :, None, :], axis=3), (b, h, g, lay.d_pad))
+  parts = [jnp.concatenate([o_lo, f_lo[:, :, None]], axis=2)]
+  if lay.n_out:
+    f_out = jnp.take_along_axis(of, kv.v_outlier_idx[:, :, None, :], axis=3)
+    parts.append(jnp.concatenate([o_out, f_out[:, :, None]], axis=2))
+  m = jnp.concatenate([m, mf[:, :, None]], axis=2)
+  l = jnp.concatenate([l, lf[:, :, None]], axis=2)
+  comb = _combine(m, l, parts)
+  o = jnp.zeros((b, h, g, d), jnp.float32)
+  bi = jnp.arange(b)[:, None, None, None]
+  hi = jnp.arange(h)[None, :, None, None]
+  gi = jnp.arange(g)[None, None, :, None]
+  o = o.at[bi, hi, gi, v_lo_idx[:, :, None, :]].set(comb[0][..., :lay.d_low])
+  if lay.n_out:
+    o = o.at[bi, hi, gi, kv.v_outlier_idx[:, :, None, :]].set(comb[1])
+  return o.reshape(b, hq, d).astype(q.dtype)
