@@ -1,12 +1,17 @@
-"""Where the Mosaic GPU decode kernel spends its time: ablations timed in one run.
+"""Where the Mosaic GPU decode kernel spends its time: variants and ablations timed in one run.
 
-Each variant leaves one stage out (wrong results, timing only): "out" the outlier
-updates, "max" the running max (a cross-warp reduction per slot). With
-MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR the compiler's
-resource report and SASS land in DIR.
-Usage (device): PYTHONPATH=. python3 experiments/profile_decode_mgpu.py [B T splits...]
+Each ablation leaves one stage out (wrong results, timing only): "out" the outlier
+updates, "max" the running max (a cross-warp reduction per softmax update).
+``--phase`` lists slots per softmax update (64-token slots; 8 = one update per
+512-token tile at 2 bits). With MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=DIR the
+compiler's resource reports land in DIR; ``--ptxas DIR`` prints their register and
+spill lines.
+Usage (device): PYTHONPATH=. python3 experiments/profile_decode_mgpu.py --b 8 --t 32768 \
+  --phase 8 4 2 --ablate - out out,max
 """
-import sys
+import argparse
+import glob
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,20 +22,35 @@ from pallas_kernels import kv_quant as kq
 
 
 def main():
-  b, t = (int(x) for x in sys.argv[1:3]) if len(sys.argv) > 2 else (8, 32768)
-  splits = [int(x) for x in sys.argv[3:]] or [None]
-  k, v = make_kv(jax.random.key(0), b, t)
-  q = jax.random.normal(jax.random.key(1), (b, HQ, D), jnp.bfloat16)
-  cfg = kq.KVQuantConfig(bits=2, outlier_fraction=0.02)
-  c = kq.quantize_kv(k, v, cfg)
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--b", type=int, default=8)
+  ap.add_argument("--t", type=int, default=32768)
+  ap.add_argument("--splits", type=int, nargs="*", default=[None])
+  ap.add_argument("--phase", type=int, nargs="*", default=[None])
+  ap.add_argument("--ablate", nargs="*", default=["-"])
+  ap.add_argument("--inflight", type=int, nargs="*", default=[1])
+  ap.add_argument("--outliers", type=float, default=0.02)
+  ap.add_argument("--ptxas", default=None)
+  a = ap.parse_args()
+  k, v = make_kv(jax.random.key(0), a.b, a.t)
+  q = jax.random.normal(jax.random.key(1), (a.b, HQ, D), jnp.bfloat16)
+  c = kq.quantize_kv(k, v, kq.KVQuantConfig(bits=2, outlier_fraction=a.outliers))
   sets = [(q, c), (q, jax.tree.map(jnp.copy, c)), (q, jax.tree.map(jnp.copy, c))]
-  for ns in splits:
-    for ab in ((), ("out",), ("max",), ("out", "max")):
-      f = jax.jit(lambda q, c, ab=frozenset(ab), ns=ns: dm.decode_attention_mgpu(
-          q, c, sm_scale=D ** -0.5, num_splits=ns, ablate=ab))
-      tm = timeit(f, sets)
-      print(f"B={b} T={t} splits={ns} ablate={','.join(ab) or '-':22s} {tm * 1e3:8.3f} ms "
-            f"{c.nbytes / tm / 1e12:5.2f} TB/s", flush=True)
+  for ns in a.splits:
+    for ph in a.phase:
+      for fl in a.inflight:
+        for ab in a.ablate:
+          ab = frozenset() if ab == "-" else frozenset(ab.split(","))
+          f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl: dm.decode_attention_mgpu(
+              q, c, sm_scale=D ** -0.5, num_splits=ns, phase_slots=ph, inflight=fl, ablate=ab))
+          tm = timeit(f, sets)
+          print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} "
+                f"ablate={','.join(sorted(ab)) or '-':10s} {tm * 1e3:8.3f} ms "
+                f"{c.nbytes / tm / 1e12:5.2f} TB/s", flush=True)
+  if a.ptxas:
+    for f in sorted(glob.glob(f"{a.ptxas}/*.ptxas")):
+      lines = [l.strip() for l in open(f) if re.search(r"registers|spill|smem", l)]
+      print(f.split("/")[-1], " | ".join(lines))
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ SLOT = kq.PACK_STRIDE      # 64 tokens per code slot = M of the key MMA
 MAX_OUTLIERS = 4
 _NOP = lambda n: 2 if n <= 2 else 4   # outlier rows of the small buffers (copies of >= 128 bytes)
 _TARGET_PROGRAMS = 1024
+PHASE_SLOTS = 2          # 64-token slots per softmax update (H200, B=8, 32k: 2 beat 4 and 8)
 
 
 def supports(layout: kq.KVLayout, num_q_heads_per_kv: int) -> bool:
@@ -156,8 +157,9 @@ def _dequant(words, metas, *, bits, slot, group_of):
 
 def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
             o_ref, oo_ref, m_ref, l_ref,
-            q_smem, qo_smem, p_smem, o_smem, oo_smem, ml_smem, bar,
-            *, lay: kq.KVLayout, bps: int, ablate: frozenset = frozenset()):
+            q_smem, qo_smem, p_smem, bar,
+            *, lay: kq.KVLayout, bps: int, phase: int, inflight: int,
+            ablate: frozenset = frozenset()):
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
   dp, n_out, ng = lay.d_pad, lay.n_out, lay.n_groups_tok
@@ -167,6 +169,8 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
   b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
   nq = nq_ref[b]
   tile0 = sp * bps
+  f32 = jnp.float32
+  wl = plgpu.Layout.WGMMA
 
   plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, bar.at[0])
   if n_out:
@@ -174,65 +178,79 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
   plgpu.barrier_wait(bar.at[0])
   q_out = [_ld(qo_smem, (o,), COL) for o in range(n_out)]              # [NQ] f32 each
 
-  rows = plgpu.broadcasted_iota(jnp.int32, (SLOT, NQ), 0, layout=plgpu.Layout.WGMMA)
+  rows = plgpu.broadcasted_iota(jnp.int32, (SLOT, NQ), 0, layout=wl)
   k_groups = SLOT // G if G < SLOT else 1           # key-metadata groups per 64-token slot
+  bcol = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])          # [NQ] along columns
+  brow = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])          # [SLOT] along rows
 
   def v_group_of(mt):                               # value-metadata group of a v^T row tile
     if G >= SLOT:
       return min(mt * SLOT // G, ng - 1)
     return (min(2 * mt, ng - 1), min(2 * mt + 1, ng - 1))
 
+  def tok_idx(j):                                   # token-minor index of slot j's 64 tokens
+    return (j * SLOT // C, pl.ds(j * SLOT % C, SLOT))
+
   def body(idx, kc, ks, kz, ko, vc, vs, vz, vo, carry):
     (i,) = idx
-    m, l, acc, acc_vo = carry
+    m, l_rows, acc, acc_vo = carry
     tbase = (tile0 + i) * P
-    for j in range(cpw):
-      # --- keys: [64 tokens, dp] fp16 in the A-operand layout
-      kw = plgpu.load(kc, (), layout=plgpu.Layout.WGMMA)                      # [64, dp] u16
-      kmeta = [_meta_pair(plgpu.load(ks, ((j * SLOT + u * G) // G,), layout=COL),
-                          plgpu.load(kz, ((j * SLOT + u * G) // G,), layout=COL), bits)
-               for u in range(k_groups)]
-      k16 = _dequant(kw, kmeta, bits=bits, slot=j,
-                     group_of=lambda mt: (0, 1) if k_groups == 2 else 0)
+    for j0 in range(0, cpw, phase):
+      js = range(j0, min(j0 + phase, cpw))
+      # the code words hold every slot of the tile: one shared-memory read per phase
+      kw = plgpu.load(kc, (), layout=wl)                                     # [64, dp] u16
 
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, k16, plgpu.transpose_ref(q_smem, (1, 0)))
-        return acc_ref[...]
-      s = pl.run_scoped(qk, plgpu.ACC((SLOT, NQ), jnp.float32))               # [64, NQ]
-      ko_j = [_ld(ko, (o, j * SLOT // C, pl.ds(j * SLOT % C, SLOT)), ROW) for o in range(n_out)]
-      for o in range(0 if "out" in ablate else n_out):
-        s = s + lax.broadcast_in_dim(ko_j[o], s.shape, [0]) * lax.broadcast_in_dim(q_out[o], s.shape, [1])
-      tok = tbase + j * SLOT + rows
-      s = jnp.where(tok < nq, s, NEG)
+      # --- phase 1: scores^T [64, NQ] = k . q^T of every slot, MMAs issued back to back
+      def qk(*acc_refs):
+        for a_ref, j in zip(acc_refs, js):
+          kmeta = [_meta_pair(plgpu.load(ks, ((j * SLOT + u * G) // G,), layout=COL),
+                              plgpu.load(kz, ((j * SLOT + u * G) // G,), layout=COL), bits)
+                   for u in range(k_groups)]
+          k16 = _dequant(kw, kmeta, bits=bits, slot=j,
+                         group_of=lambda mt: (0, 1) if k_groups == 2 else 0)
+          plgpu.wgmma(a_ref, k16, plgpu.transpose_ref(q_smem, (1, 0)))
+          plgpu.wgmma_wait(inflight)            # MMAs left in flight while the next slot dequantizes
+        return [a_ref[...] for a_ref in acc_refs]
+      ss = pl.run_scoped(qk, *[plgpu.ACC((SLOT, NQ), f32) for _ in js])
+      ss = list(ss)
+      for n, j in enumerate(js):
+        s = ss[n]
+        for o in range(0 if "out" in ablate else n_out):
+          s = s + brow(_ld(ko, (o,) + tok_idx(j), ROW), s.shape) * bcol(q_out[o], s.shape)
+        ss[n] = jnp.where(tbase + j * SLOT + rows < nq, s, NEG)
 
-      # --- online softmax down the token axis (log2 units)
-      m_new = m if "max" in ablate else jnp.maximum(m, s.max(axis=0))
+      # --- one online-softmax update for the phase: a single cross-warp max
+      s_max = functools.reduce(jnp.maximum, ss)
+      m_new = m if "max" in ablate else jnp.maximum(m, s_max.max(axis=0))
       corr = jnp.exp2(m - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-      l = l * corr + p.sum(axis=0)
       m = m_new
-      acc = acc * lax.broadcast_in_dim(corr, acc.shape, [1])
-      vo_j = [_ld(vo, (o, j * SLOT // C, pl.ds(j * SLOT % C, SLOT)), ROW) for o in range(n_out)]
-      if "out" not in ablate:
-        acc_vo = tuple(a * lax.broadcast_in_dim(corr, a.shape, [1])
-                       + lax.broadcast_in_dim(vo_j[o], p.shape, [0]) * p
-                       for o, a in enumerate(acc_vo))
-      p_smem[...] = p.astype(jnp.float16)
+      l_rows = l_rows * bcol(corr, l_rows.shape)
+      acc = acc * bcol(corr, acc.shape)
+      acc_vo = [a * bcol(corr, a.shape) for a in acc_vo]
+      for n, j in enumerate(js):
+        p = jnp.exp2(ss[n] - bcol(m_new, ss[n].shape))
+        l_rows = l_rows + p                    # summed over rows once, at the end
+        if "out" not in ablate:
+          acc_vo = [a + brow(_ld(vo, (o,) + tok_idx(j), ROW), p.shape) * p
+                    for o, a in enumerate(acc_vo)]
+        p_smem[n] = p.astype(jnp.float16)
       plgpu.commit_smem()
 
-      # --- values: v^T [dp, 64 tokens] fp16 in the A-operand layout
+      # --- phase 2: out^T [dp, NQ] += v^T . p^T, v^T dequantized in the A-operand layout
       vw = plgpu.layout_cast(
           plgpu.load(plgpu.transpose_ref(vc, (1, 0)), (), layout=plgpu.Layout.WGMMA_TRANSPOSED),
-          plgpu.Layout.WGMMA)                                                  # [dp, 64] u16
-      tix = lambda g: (g, j * SLOT // C, pl.ds(j * SLOT % C, SLOT))
-      vmeta = [_meta_pair(plgpu.load(vs, tix(g), layout=COL), plgpu.load(vz, tix(g), layout=COL), bits)
-               for g in range(ng)]
-      v16 = _dequant(vw, vmeta, bits=bits, slot=j, group_of=v_group_of)
+          wl)                                                                  # [dp, 64] u16
 
       def pv(acc_ref):
-        plgpu.wgmma(acc_ref, v16, p_smem)
+        for n, j in enumerate(js):
+          vmeta = [_meta_pair(plgpu.load(vs, (g,) + tok_idx(j), layout=COL),
+                              plgpu.load(vz, (g,) + tok_idx(j), layout=COL), bits)
+                   for g in range(ng)]
+          v16 = _dequant(vw, vmeta, bits=bits, slot=j, group_of=v_group_of)
+          plgpu.wgmma(acc_ref, v16, p_smem.at[n])
+          plgpu.wgmma_wait(inflight)
       acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-    return m, l, acc, acc_vo
+    return m, l_rows, acc, acc_vo
 
   specs = [
       plgpu.BlockSpec((SLOT, dp), lambda i: (tile0 + i, 0), transforms=_transforms(dp, 2)),   # k codes
@@ -244,30 +262,34 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
       plgpu.BlockSpec((ng, P // C, C), lambda i: (0, tile0 + i, 0)),                           # v zero
       plgpu.BlockSpec((max(n_out, 1), P // C, C), lambda i: (0, tile0 + i, 0)),                # v outliers
   ]
+  zeros_sq = lambda: plgpu.layout_cast(jnp.zeros((SLOT, NQ), f32), wl)
   init = (
-      _col(jnp.full((NQ,), NEG, jnp.float32)),
-      _col(jnp.zeros((NQ,), jnp.float32)),
-      plgpu.layout_cast(jnp.zeros((dp, NQ), jnp.float32), plgpu.Layout.WGMMA),
-      tuple(plgpu.layout_cast(jnp.zeros((SLOT, NQ), jnp.float32), plgpu.Layout.WGMMA)
-            for _ in range(n_out)),
+      _col(jnp.full((NQ,), NEG, f32)),
+      zeros_sq(),
+      plgpu.layout_cast(jnp.zeros((dp, NQ), f32), wl),
+      [zeros_sq() for _ in range(n_out)],
   )
   at = lambda r: r.at[b, h]
-  m, l, acc, acc_vo = plgpu.emit_pipeline(
+  m, l_rows, acc, acc_vo = plgpu.emit_pipeline(
       body, grid=(bps,), in_specs=specs, max_concurrent_steps=2, init_carry=init,
   )(at(kc_ref), at(ks_ref), at(kz_ref), at(ko_ref), at(vc_ref), at(vs_ref), at(vz_ref), at(vo_ref))
 
-  o_smem[...] = acc
-  for o in range(n_out):
-    oo_smem[o] = acc_vo[o].sum(axis=0)
-  ml_smem[0] = m
-  ml_smem[1] = l
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, sp])
-  if n_out:
-    plgpu.copy_smem_to_gmem(oo_smem, oo_ref.at[b, h, sp])
-  plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[b, h, sp])
-  plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[b, h, sp])
-  plgpu.wait_smem_to_gmem(0)
+  # output staging reuses the pipeline's shared memory (allocated only after it)
+  def store(o_smem, oo_smem, ml_smem):
+    o_smem[...] = acc
+    for o in range(n_out):
+      oo_smem[o] = acc_vo[o].sum(axis=0)
+    ml_smem[0] = m
+    ml_smem[1] = l_rows.sum(axis=0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, sp])
+    if n_out:
+      plgpu.copy_smem_to_gmem(oo_smem, oo_ref.at[b, h, sp])
+    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[b, h, sp])
+    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[b, h, sp])
+    plgpu.wait_smem_to_gmem(0)
+  nop = oo_ref.shape[3]
+  pl.run_scoped(store, plgpu.SMEM((dp, NQ), f32), plgpu.SMEM((nop, NQ), f32), plgpu.SMEM((2, NQ), f32))
 
 
 def _choose_splits(n_tiles, batch_heads, num_splits):
@@ -280,7 +302,8 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
   return num_splits, n_tiles // num_splits
 
 
-def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, ablate=frozenset()):
+def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=PHASE_SLOTS,
+                       inflight=1, ablate=frozenset()):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -292,6 +315,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, ablate=frozen
   dp, n_out = lay.d_pad, lay.n_out
   n_tiles = lay.cq // (SLOT * lay.cpw)
   ns, bps = _choose_splits(n_tiles, b * h, num_splits)
+  phase = lay.cpw if phase_slots is None else max(1, min(int(phase_slots), lay.cpw))
   lo_idx = kq.low_channel_index(kv.k_outlier_idx, d)
   q_lo = jnp.take_along_axis(qg, lo_idx[:, :, None, :], axis=3)
   q_lo = jnp.pad(q_lo, [(0, 0), (0, 0), (0, NQ - g), (0, dp - lay.d_low)]).astype(jnp.float16)
@@ -315,14 +339,11 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, ablate=frozen
   scratch = [
       plgpu.SMEM((NQ, dp), jnp.float16, transforms=_transforms(dp, 2)),
       plgpu.SMEM((nop, NQ), f32),
-      plgpu.SMEM((SLOT, NQ), jnp.float16, transforms=_transforms(NQ, 2)),
-      plgpu.SMEM((dp, NQ), f32),
-      plgpu.SMEM((nop, NQ), f32),
-      plgpu.SMEM((2, NQ), f32),
+      plgpu.SMEM((phase, SLOT, NQ), jnp.float16, transforms=_transforms(NQ, 2)),
       plgpu.Barrier(num_barriers=1, num_arrivals=1 + (n_out > 0)),
   ]
   kern = plgpu.kernel(
-      functools.partial(_kernel, lay=lay, bps=bps, ablate=ablate),
+      functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, ablate=ablate),
       out_type=out_types, grid=(b, h, ns), grid_names=("b", "h", "s"),
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024),
@@ -349,9 +370,10 @@ def fp_partial(qg, kv: kq.QuantizedKV):
   return m, p.sum(-1), jnp.einsum("bhgf,bhfd->bhgd", p, kv.v_fp.astype(jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "ablate"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "phase_slots", "inflight",
+                                             "ablate"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
-                          ablate: frozenset = frozenset()):
+                          phase_slots=PHASE_SLOTS, inflight=1, ablate: frozenset = frozenset()):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first."""
   from pallas_kernels.decode_attention import _combine, _pad_to
@@ -360,7 +382,8 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
   h = kv.num_heads
   g = hq // h
   qg = (q.astype(jnp.float32) * (sm_scale * LOG2E)).reshape(b, h, g, d)
-  m, l, o_lo, o_out = quantized_partials(qg, kv, num_splits=num_splits, ablate=ablate)
+  m, l, o_lo, o_out = quantized_partials(qg, kv, num_splits=num_splits, phase_slots=phase_slots,
+                                      inflight=inflight, ablate=ablate)
   mf, lf, of = fp_partial(qg, kv)
   v_lo_idx = kq.low_channel_index(kv.v_outlier_idx, d)
   f_lo = _pad_to(jnp.take_along_axis(of, v_lo_idx[:, :, None, :], axis=3), (b, h, g, lay.d_pad))

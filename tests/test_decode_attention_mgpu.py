@@ -1,0 +1,52 @@
+"""The Mosaic GPU decode kernel on a CPU machine: which layouts it takes, clear errors for
+the rest, and that it traces and lowers for CUDA (its numerics are checked on a GPU by
+experiments/check_decode_gpu.py --mosaic: the dequantization is inline PTX on MMA registers,
+which has no interpret mode)."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import decode_attention_mgpu as dm
+from pallas_kernels import kv_quant as kq
+from pallas_kernels.decode_attention import decode_attention
+
+
+def _layout(**kw):
+  cfg = kq.KVQuantConfig(**{"bits": 2, "group_size": 32, "outlier_fraction": 0.02, **kw})
+  return kq.KVLayout(cfg, 128, 4096)
+
+
+@pytest.mark.parametrize("kw,ratio,ok", [
+    ({}, 4, True),
+    ({"bits": 3}, 4, True),
+    ({"bits": 4, "outlier_fraction": 0.0}, 8, True),
+    ({"group_size": 64}, 4, True),
+    ({"outlier_fraction": 0.15}, 4, False),                           # 19 outlier channels > 4
+    ({"key_axis": "token", "value_axis": "channel"}, 4, False),      # not KIVI's assignment
+    ({"group_size": 16}, 4, False),                                    # groups below 32 tokens
+    ({}, 32, False),                                                   # > 16 query heads per kv-head
+])
+def test_supports(kw, ratio, ok):
+  assert dm.supports(_layout(**kw), ratio) is ok
+
+
+def test_unsupported_layout_is_a_clear_error():
+  cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=0.15)
+  kv = kq.empty_kv(cfg, 1, 2, 128, 256)
+  q = jnp.zeros((1, 8, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="Mosaic GPU decode kernel does not support"):
+    decode_attention(q, kv, backend="mosaic")
+  with pytest.raises(ValueError, match="backend must be"):
+    decode_attention(q, kv, backend="cuda")
+
+
+@pytest.mark.parametrize("phase,inflight,frac", [(2, 1, 0.02), (1, 0, 0.0), (8, 1, 0.02)])
+def test_lowers_for_cuda(phase, inflight, frac):
+  """Traces the whole kernel (layouts, inline PTX, pipeline) and lowers it for CUDA."""
+  cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=frac, residual_window=32)
+  kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 2, 2, 128, 4096))
+  q = jax.ShapeDtypeStruct((2, 8, 128), jnp.bfloat16)
+  fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, phase_slots=phase,
+                                              inflight=inflight)
+  text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
