@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from experiments.bench_decode_attention import make_kv, timeit, HQ, D
 from pallas_kernels import decode_attention_mgpu as dm
 from pallas_kernels import kv_quant as kq
+from pallas_kernels import reference
+from pallas_kernels.decode_attention import decode_attention
 
 
 def main():
@@ -31,7 +33,19 @@ def main():
   ap.add_argument("--inflight", type=int, nargs="*", default=[1])
   ap.add_argument("--outliers", type=float, default=0.02)
   ap.add_argument("--ptxas", default=None)
+  ap.add_argument("--check", action="store_true", help="first: error vs the reference (small, ragged)")
+  ap.add_argument("--triton", action="store_true", help="also time the Triton kernel")
   a = ap.parse_args()
+  if a.check:
+    kc, vc = make_kv(jax.random.key(2), 3, 1000)
+    qc = jax.random.normal(jax.random.key(3), (3, HQ, D), jnp.bfloat16)
+    for bits in (2, 4):
+      cfg = kq.KVQuantConfig(bits=bits, outlier_fraction=a.outliers, residual_window=32, sink_tokens=4)
+      cc = kq.quantize_kv(kc, vc, cfg, max_len=1024, lengths=jnp.array([1000, 517, 3]))
+      out = dm.decode_attention_mgpu(qc, cc, sm_scale=D ** -0.5)
+      ref = reference.quantized_decode_attention(qc, cc)
+      err = float(jnp.linalg.norm((out - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
+      print(f"check bits={bits}: rel err {err:.2e}", flush=True)
   k, v = make_kv(jax.random.key(0), a.b, a.t)
   q = jax.random.normal(jax.random.key(1), (a.b, HQ, D), jnp.bfloat16)
   c = kq.quantize_kv(k, v, kq.KVQuantConfig(bits=2, outlier_fraction=a.outliers))
@@ -47,6 +61,9 @@ def main():
           print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} "
                 f"ablate={','.join(sorted(ab)) or '-':10s} {tm * 1e3:8.3f} ms "
                 f"{c.nbytes / tm / 1e12:5.2f} TB/s", flush=True)
+  if a.triton:
+    tm = timeit(jax.jit(lambda q, c: decode_attention(q, c)), sets)
+    print(f"B={a.b} T={a.t} triton (default) {tm * 1e3:8.3f} ms {c.nbytes / tm / 1e12:5.2f} TB/s")
   if a.ptxas:
     for f in sorted(glob.glob(f"{a.ptxas}/*.ptxas")):
       lines = [l.strip() for l in open(f) if re.search(r"registers|spill|smem", l)]

@@ -9,11 +9,20 @@ padding on the token axis and the dequantized tiles never leave registers:
   uint16 code words per step for keys and for values (``cpw`` slots of 64
   consecutive tokens each: 512 tokens at 2 bits), with the tile's scales,
   zero-points and outlier values.
-* Per 64-token slot ``j``: keys are dequantized into the register layout of a
-  ``wgmma`` A operand (``[64 tokens, D_pad]`` fp16) and multiplied by the
+* Once per tile the fp8 metadata is turned into fp16 ``(s * 2**bits,
+  z - s * 2**bits)`` in shared memory; the dequantization then loads, per
+  thread, only the pair that scales its own rows and columns (one 32-bit load
+  per two columns) and spends three instructions per two values (inline PTX on
+  the registers of the MMA operand, see ``_dequant``).
+* Slots are processed in phases of ``phase_slots`` (default: the whole tile).
+  Phase part 1: for each slot, keys are dequantized into the register layout
+  of a ``wgmma`` A operand (``[64 tokens, D_pad]`` fp16) and multiplied by the
   query held in shared memory, ``scores^T [64, 16] = k . q^T`` (the query heads
-  of one kv-head, padded to 16, are the MMA's N). The online softmax runs down
-  the token axis; ``p^T`` goes to shared memory as the B operand of
+  of one kv-head, padded to 16, are the MMA's N); the MMAs are issued back to
+  back, one left in flight while the next slot dequantizes. Then one
+  online-softmax update for the whole phase (a single cross-warp max; the
+  running sum stays distributed over rows until the end). Part 2: ``p^T`` of
+  every slot goes to shared memory as the B operand of
   ``out^T [D_pad, 16] += v^T . p^T``, whose A operand ``v^T`` is again
   dequantized in registers (loaded transposed, then moved to the MMA layout).
 * Outlier channels (at most four) are rank-1 updates on the CUDA cores.
@@ -41,7 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm
+from jaxlib.mlir.dialects import arith, llvm, vector
 
 from pallas_kernels import kv_quant as kq
 
@@ -52,7 +61,8 @@ SLOT = kq.PACK_STRIDE      # 64 tokens per code slot = M of the key MMA
 MAX_OUTLIERS = 4
 _NOP = lambda n: 2 if n <= 2 else 4   # outlier rows of the small buffers (copies of >= 128 bytes)
 _TARGET_PROGRAMS = 1024
-PHASE_SLOTS = 2          # 64-token slots per softmax update (H200, B=8, 32k: 2 beat 4 and 8)
+PHASE_SLOTS = 8          # 64-token slots per softmax update, capped at cpw (H200, B=8, 32k, 2-bit:
+                         # 8 -> 0.311 ms, 4 -> 0.320, 2 -> 0.338, 1 -> 0.419)
 
 
 def supports(layout: kq.KVLayout, num_q_heads_per_kv: int) -> bool:
@@ -115,49 +125,67 @@ def _dequant_asm(bits, slot):
           "fma.rn.f16x2 $0, t, $2, $3; }")
 
 
-def _dequant(words, metas, *, bits, slot, group_of):
+def _dequant(words, meta_ref, *, bits, slot, meta_index):
   """uint16 code words [M, N] (WGMMA layout) -> fp16 [M, N] (WGMMA layout), in registers.
 
-  metas: ``[(s2, z2), ...]`` fp16 vectors along the columns (``COL``), one pair per
-  metadata group; ``group_of(m_tile, upper)`` names the group of the rows a thread
-  holds in row tile ``m_tile`` (``upper``: warps 2-3, i.e. rows 32-63 of the tile;
-  None when the group does not depend on it).
+  meta_ref: shared memory ``f16[2, ...]`` holding ``s2 = s * 2**bits`` (``[0]``) and
+  ``z2 = z - s2`` (``[1]``), staged once per tile. ``meta_index(mt, k, warp, quad)``
+  gives the indices (into ``meta_ref[0]``) of the f16 pair that scales the two
+  columns a thread holds in register tile ``(mt, k)``: in the WGMMA layout, thread
+  ``32 * warp + 4 * r + quad`` holds rows ``64 mt + 16 warp + r (+ 8)`` and columns
+  ``8 k + 2 quad (+ 1)``. Each thread loads only the metadata of its own rows (one
+  32-bit shared load per pair of columns), so a group boundary between warps costs
+  nothing.
   """
   shape = words.shape
   wl = plgpu.Layout.WGMMA
 
-  @plgpu.inline_mgpu(arg_types=(wl, [(COL, COL)] * len(metas)),
+  @plgpu.inline_mgpu(arg_types=(wl, plgpu.RefType()),
                      return_type=plgpu.ShapeDtypeStruct(shape, jnp.float16, wl))
-  def fn(ctx, w, ms):
+  def fn(ctx, w, mref):
     del ctx
     i32 = ir.IntegerType.get_signless(32)
+    index = ir.IndexType.get()
     f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
-    warp_in_wg = arith.andi(mgpu_utils.warp_idx(sync=True), arith.constant(i32, 3))
-    upper = arith.cmpi(arith.CmpIPredicate.uge, warp_in_wg, arith.constant(i32, 2))
+    tid = mgpu_utils.thread_idx()
+    warp = arith.index_cast(index, arith.andi(arith.shrui(tid, arith.constant(i32, 5)),
+                                              arith.constant(i32, 3)))
+    quad = arith.index_cast(index, arith.andi(tid, arith.constant(i32, 3)))
     asm = _dequant_asm(bits, slot)
     regs = w.registers
     out = regs.copy()
+    meta = {}
     for idx in np.ndindex(regs.shape):
       mt, k = idx[0], idx[1]
-      g = group_of(mt)
-      if isinstance(g, tuple):                    # (group of rows 0-31, group of rows 32-63)
-        s_lo, z_lo = ms[g[0]]
-        s_hi, z_hi = ms[g[1]]
-        s2 = arith.select(upper, s_hi.registers.flat[k], s_lo.registers.flat[k])
-        z2 = arith.select(upper, z_hi.registers.flat[k], z_lo.registers.flat[k])
-      else:
-        s2, z2 = ms[g][0].registers.flat[k], ms[g][1].registers.flat[k]
+      if (mt, k) not in meta:
+        ii = meta_index(mt, k, warp, quad)
+        meta[mt, k] = [vector.load(f16x2, mref, [arith.constant(index, a)] + ii) for a in (0, 1)]
+      s2, z2 = meta[mt, k]
       r = llvm.inline_asm(i32, [mgpu_utils.bitcast(regs[idx], i32), mgpu_utils.bitcast(s2, i32),
                                 mgpu_utils.bitcast(z2, i32)], asm, "=r,r,r,r")
       out[idx] = mgpu_utils.bitcast(r, f16x2)
     return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
-  return fn(words, list(metas))
+  return fn(words, meta_ref)
+
+
+def _ix(x, index=None):
+  """int or index Value -> index Value."""
+  index = index or ir.IndexType.get()
+  return arith.constant(index, x) if isinstance(x, int) else x
+
+
+def _affine(base, coef, var, div=1, cap=None):
+  """(base + coef * var) // div, optionally min(., cap): index arithmetic in MLIR."""
+  v = arith.addi(_ix(base), arith.muli(_ix(coef), var))
+  if div != 1:
+    v = arith.divui(v, _ix(div))
+  return v if cap is None else arith.minui(v, _ix(cap))
 
 
 def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
             o_ref, oo_ref, m_ref, l_ref,
-            q_smem, qo_smem, p_smem, bar,
+            q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar,
             *, lay: kq.KVLayout, bps: int, phase: int, inflight: int,
             ablate: frozenset = frozenset()):
   cfg = lay.config
@@ -179,14 +207,28 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
   q_out = [_ld(qo_smem, (o,), COL) for o in range(n_out)]              # [NQ] f32 each
 
   rows = plgpu.broadcasted_iota(jnp.int32, (SLOT, NQ), 0, layout=wl)
-  k_groups = SLOT // G if G < SLOT else 1           # key-metadata groups per 64-token slot
   bcol = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])          # [NQ] along columns
   brow = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])          # [SLOT] along rows
 
-  def v_group_of(mt):                               # value-metadata group of a v^T row tile
-    if G >= SLOT:
-      return min(mt * SLOT // G, ng - 1)
-    return (min(2 * mt, ng - 1), min(2 * mt + 1, ng - 1))
+  def k_meta_index(j):
+    # keys: rows are tokens (slot j, warp's 16 rows: one G-token group), columns channels
+    return lambda mt, k, warp, quad: [_affine(j * SLOT, 16, warp, div=G),
+                                      _affine(8 * k, 2, quad)]
+
+  def v_meta_index(j):
+    # v^T: rows are channels (one G-channel group per warp), columns the slot's tokens
+    t0 = j * SLOT
+    return lambda mt, k, warp, quad: [_affine(64 * mt, 16, warp, div=G, cap=ng - 1),
+                                      _ix(t0 // C), _affine(t0 % C + 8 * k, 2, quad)]
+
+  def stage_meta(ks, kz, vs, vz):
+    """fp8/16-bit metadata of one tile -> (s * 2**bits, z - s * 2**bits) in fp16, in smem."""
+    plgpu.commit_smem()                  # every warp is done with the previous tile's copy
+    for src_s, src_z, dst in ((ks, kz, kmeta_smem), (vs, vz, vmeta_smem)):
+      s2, z2 = _meta_pair(src_s[...], src_z[...], bits)
+      dst[0] = s2
+      dst[1] = z2
+    plgpu.commit_smem()
 
   def tok_idx(j):                                   # token-minor index of slot j's 64 tokens
     return (j * SLOT // C, pl.ds(j * SLOT % C, SLOT))
@@ -195,6 +237,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
     (i,) = idx
     m, l_rows, acc, acc_vo = carry
     tbase = (tile0 + i) * P
+    stage_meta(ks, kz, vs, vz)
     for j0 in range(0, cpw, phase):
       js = range(j0, min(j0 + phase, cpw))
       # the code words hold every slot of the tile: one shared-memory read per phase
@@ -203,11 +246,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
       # --- phase 1: scores^T [64, NQ] = k . q^T of every slot, MMAs issued back to back
       def qk(*acc_refs):
         for a_ref, j in zip(acc_refs, js):
-          kmeta = [_meta_pair(plgpu.load(ks, ((j * SLOT + u * G) // G,), layout=COL),
-                              plgpu.load(kz, ((j * SLOT + u * G) // G,), layout=COL), bits)
-                   for u in range(k_groups)]
-          k16 = _dequant(kw, kmeta, bits=bits, slot=j,
-                         group_of=lambda mt: (0, 1) if k_groups == 2 else 0)
+          k16 = _dequant(kw, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j))
           plgpu.wgmma(a_ref, k16, plgpu.transpose_ref(q_smem, (1, 0)))
           plgpu.wgmma_wait(inflight)            # MMAs left in flight while the next slot dequantizes
         return [a_ref[...] for a_ref in acc_refs]
@@ -243,10 +282,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
 
       def pv(acc_ref):
         for n, j in enumerate(js):
-          vmeta = [_meta_pair(plgpu.load(vs, (g,) + tok_idx(j), layout=COL),
-                              plgpu.load(vz, (g,) + tok_idx(j), layout=COL), bits)
-                   for g in range(ng)]
-          v16 = _dequant(vw, vmeta, bits=bits, slot=j, group_of=v_group_of)
+          v16 = _dequant(vw, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j))
           plgpu.wgmma(acc_ref, v16, p_smem.at[n])
           plgpu.wgmma_wait(inflight)
       acc = pl.run_state(pv)(plgpu.ACC.init(acc))
@@ -340,6 +376,8 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       plgpu.SMEM((NQ, dp), jnp.float16, transforms=_transforms(dp, 2)),
       plgpu.SMEM((nop, NQ), f32),
       plgpu.SMEM((phase, SLOT, NQ), jnp.float16, transforms=_transforms(NQ, 2)),
+      plgpu.SMEM((2, max(1, SLOT * lay.cpw // lay.config.group_size), dp), jnp.float16),  # key s2, z2
+      plgpu.SMEM((2, lay.n_groups_tok, SLOT * lay.cpw // c, c), jnp.float16),        # value s2, z2
       plgpu.Barrier(num_barriers=1, num_arrivals=1 + (n_out > 0)),
   ]
   kern = plgpu.kernel(
