@@ -30,9 +30,12 @@ values ``[B, H, T, D]``:
 Decode attention (module ``pallas_kernels.decode_attention``; the package
 attribute of that name is the function):
 
-* ``decode_attention(q [B, Hq, D], kv: QuantizedKV) -> [B, Hq, D]``: GQA
-  (``Hq`` a multiple of ``H``), per-sequence lengths, split-K over the sequence,
-  packed codes dequantized in registers.
+* ``decode_attention(q [B, Hq, D], kv: QuantizedKV, backend="triton") -> [B, Hq, D]``:
+  GQA (``Hq`` a multiple of ``H``), per-sequence lengths, split-K over the
+  sequence, packed codes dequantized in registers. ``backend="mosaic"`` runs the
+  Mosaic GPU kernel (``decode_attention_mgpu``; Hopper only, no interpret mode,
+  layouts its ``supports`` accepts: keys per channel, values per token, G >= 32,
+  at most 4 outlier channels, at most 16 query heads per kv-head).
 * ``decode_attention_bf16(q, k [B, H, T, D], v, lengths [B]) -> [B, Hq, D]``.
 """
 
