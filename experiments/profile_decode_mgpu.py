@@ -8,6 +8,7 @@ compiler's resource reports land in DIR; ``--ptxas DIR`` prints their register a
 spill lines.
 Usage (device): PYTHONPATH=. python3 experiments/profile_decode_mgpu.py --b 8 --t 32768 \
   --phase 8 4 2 --ablate - out out,max
+  PYTHONPATH=. python3 experiments/profile_decode_mgpu.py --check --triton --omma 0 1
 """
 import argparse
 import glob
@@ -31,6 +32,8 @@ def main():
   ap.add_argument("--phase", type=int, nargs="*", default=[None])
   ap.add_argument("--ablate", nargs="*", default=["-"])
   ap.add_argument("--inflight", type=int, nargs="*", default=[1])
+  ap.add_argument("--omma", type=int, nargs="*", default=[0],
+                  help="outliers_in_mma values to try (0: rank-1 updates, 1: MMA padding columns)")
   ap.add_argument("--outliers", type=float, default=0.02)
   ap.add_argument("--ptxas", default=None)
   ap.add_argument("--check", action="store_true", help="first: error vs the reference (small, ragged)")
@@ -42,10 +45,12 @@ def main():
     for bits in (2, 4):
       cfg = kq.KVQuantConfig(bits=bits, outlier_fraction=a.outliers, residual_window=32, sink_tokens=4)
       cc = kq.quantize_kv(kc, vc, cfg, max_len=1024, lengths=jnp.array([1000, 517, 3]))
-      out = dm.decode_attention_mgpu(qc, cc, sm_scale=D ** -0.5)
       ref = reference.quantized_decode_attention(qc, cc)
-      err = float(jnp.linalg.norm((out - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
-      print(f"check bits={bits}: rel err {err:.2e}", flush=True)
+      for om in a.omma:
+        out = dm.decode_attention_mgpu(qc, cc, sm_scale=D ** -0.5, outliers_in_mma=bool(om))
+        err = float(jnp.linalg.norm((out - ref).astype(jnp.float32))
+                    / jnp.linalg.norm(ref.astype(jnp.float32)))
+        print(f"check bits={bits} outliers_in_mma={om}: rel err {err:.2e}", flush=True)
   k, v = make_kv(jax.random.key(0), a.b, a.t)
   q = jax.random.normal(jax.random.key(1), (a.b, HQ, D), jnp.bfloat16)
   c = kq.quantize_kv(k, v, kq.KVQuantConfig(bits=2, outlier_fraction=a.outliers))
@@ -53,14 +58,16 @@ def main():
   for ns in a.splits:
     for ph in a.phase:
       for fl in a.inflight:
-        for ab in a.ablate:
-          ab = frozenset() if ab == "-" else frozenset(ab.split(","))
-          f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl: dm.decode_attention_mgpu(
-              q, c, sm_scale=D ** -0.5, num_splits=ns, phase_slots=ph, inflight=fl, ablate=ab))
-          tm = timeit(f, sets)
-          print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} "
-                f"ablate={','.join(sorted(ab)) or '-':10s} {tm * 1e3:8.3f} ms "
-                f"{c.nbytes / tm / 1e12:5.2f} TB/s", flush=True)
+        for om in a.omma:
+          for ab in a.ablate:
+            ab = frozenset() if ab == "-" else frozenset(ab.split(","))
+            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om: dm.decode_attention_mgpu(
+                q, c, sm_scale=D ** -0.5, num_splits=ns, phase_slots=ph, inflight=fl,
+                outliers_in_mma=bool(om), ablate=ab))
+            tm = timeit(f, sets)
+            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} "
+                  f"ablate={','.join(sorted(ab)) or '-':10s} {tm * 1e3:8.3f} ms "
+                  f"{c.nbytes / tm / 1e12:5.2f} TB/s", flush=True)
   if a.triton:
     tm = timeit(jax.jit(lambda q, c: decode_attention(q, c)), sets)
     print(f"B={a.b} T={a.t} triton (default) {tm * 1e3:8.3f} ms {c.nbytes / tm / 1e12:5.2f} TB/s")

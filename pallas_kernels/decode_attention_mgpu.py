@@ -25,7 +25,14 @@ padding on the token axis and the dequantized tiles never leave registers:
   every slot goes to shared memory as the B operand of
   ``out^T [D_pad, 16] += v^T . p^T``, whose A operand ``v^T`` is again
   dequantized in registers (loaded transposed, then moved to the MMA layout).
-* Outlier channels (at most four) are rank-1 updates on the CUDA cores.
+* Outlier channels (at most four) are rank-1 updates on the CUDA cores. With
+  ``outliers_in_mma=True`` they instead take the MMA's padding columns
+  (``d_low + n_out <= D_pad``): their 16-bit values (as fp16) replace the
+  dequantized registers of those key columns and ``v^T`` rows, and the query's
+  outlier channels sit in the same columns, so the tensor cores do that work.
+  That path lowers (tests/test_decode_attention_mgpu.py) but has NOT yet run on
+  a GPU: it stays off until ``experiments/profile_decode_mgpu.py --check --omma 0 1``
+  has checked and timed it.
 * Sinks and the full-precision window are attended in plain ``jnp`` (a few
   dozen tokens); the partials are merged in log2 units as in the Triton kernel.
 
@@ -50,7 +57,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, vector
+from jaxlib.mlir.dialects import arith, llvm, memref, vector
 
 from pallas_kernels import kv_quant as kq
 
@@ -125,7 +132,7 @@ def _dequant_asm(bits, slot):
           "fma.rn.f16x2 $0, t, $2, $3; }")
 
 
-def _dequant(words, meta_ref, *, bits, slot, meta_index):
+def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=None):
   """uint16 code words [M, N] (WGMMA layout) -> fp16 [M, N] (WGMMA layout), in registers.
 
   meta_ref: shared memory ``f16[2, ...]`` holding ``s2 = s * 2**bits`` (``[0]``) and
@@ -136,13 +143,18 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index):
   ``8 k + 2 quad (+ 1)``. Each thread loads only the metadata of its own rows (one
   32-bit shared load per pair of columns), so a group boundary between warps costs
   nothing.
+
+  ``patch(mt, k, half, value_i32, patch_ref, ids)`` (optional) may replace the two
+  fp16 values of a register (as an i32) by others read from ``patch_ref``; it
+  returns None for registers it leaves alone. ``ids`` holds the thread's
+  ``warp, quad, lane_row`` as i32.
   """
   shape = words.shape
   wl = plgpu.Layout.WGMMA
 
-  @plgpu.inline_mgpu(arg_types=(wl, plgpu.RefType()),
+  @plgpu.inline_mgpu(arg_types=(wl, plgpu.RefType(), plgpu.RefType()),
                      return_type=plgpu.ShapeDtypeStruct(shape, jnp.float16, wl))
-  def fn(ctx, w, mref):
+  def fn(ctx, w, mref, pref):
     del ctx
     i32 = ir.IntegerType.get_signless(32)
     index = ir.IndexType.get()
@@ -155,6 +167,8 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index):
     regs = w.registers
     out = regs.copy()
     meta = {}
+    ids = dict(warp=arith.andi(arith.shrui(tid, _i32(5)), _i32(3)), quad=arith.andi(tid, _i32(3)),
+               lane_row=arith.shrui(arith.andi(tid, _i32(31)), _i32(2)))
     for idx in np.ndindex(regs.shape):
       mt, k = idx[0], idx[1]
       if (mt, k) not in meta:
@@ -163,10 +177,51 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index):
       s2, z2 = meta[mt, k]
       r = llvm.inline_asm(i32, [mgpu_utils.bitcast(regs[idx], i32), mgpu_utils.bitcast(s2, i32),
                                 mgpu_utils.bitcast(z2, i32)], asm, "=r,r,r,r")
+      if patch is not None:
+        patched = patch(idx[0], idx[1], idx[4], r, pref, ids)
+        r = r if patched is None else patched
       out[idx] = mgpu_utils.bitcast(r, f16x2)
     return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
-  return fn(words, meta_ref)
+  return fn(words, meta_ref, meta_ref if patch_ref is None else patch_ref)
+
+
+def _i32(x):
+  return arith.constant(ir.IntegerType.get_signless(32), x)
+
+
+def _f16_bits(x_f32):
+  """f32 scalar -> its fp16 rounding's bits, as an i32 in the low half."""
+  i16 = ir.IntegerType.get_signless(16)
+  h = arith.truncf(ir.F16Type.get(), x_f32)
+  return arith.extui(ir.IntegerType.get_signless(32), arith.bitcast(i16, h))
+
+
+def _bf16_bits_to_f32(bits_i32):
+  """bf16 bits in the low half of an i32 -> f32."""
+  return arith.bitcast(ir.F32Type.get(), arith.shli(arith.andi(bits_i32, _i32(0xFFFF)), _i32(16)))
+
+
+def _select_halves(pred_lo, lo, pred_hi, hi, old):
+  """i32 of two 16-bit halves: the low half from lo where pred_lo, the high from hi where
+  pred_hi, else old's."""
+  old_lo = arith.andi(old, _i32(0xFFFF))
+  old_hi = arith.shrui(old, _i32(16))
+  new_lo = arith.select(pred_lo, lo, old_lo)
+  new_hi = arith.select(pred_hi, hi, old_hi)
+  return arith.ori(new_lo, arith.shli(new_hi, _i32(16)))
+
+
+def _in_range(x_i32, lo, hi):
+  """lo <= x < hi and clamp(x - lo, 0, hi - lo - 1) (i32 values)."""
+  ge = arith.cmpi(arith.CmpIPredicate.sge, x_i32, _i32(lo))
+  lt = arith.cmpi(arith.CmpIPredicate.slt, x_i32, _i32(hi))
+  off = arith.minsi(arith.maxsi(arith.subi(x_i32, _i32(lo)), _i32(0)), _i32(hi - lo - 1))
+  return arith.andi(ge, lt), off
+
+
+def _index(x_i32):
+  return arith.index_cast(ir.IndexType.get(), x_i32)
 
 
 def _ix(x, index=None):
@@ -186,7 +241,7 @@ def _affine(base, coef, var, div=1, cap=None):
 def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
             o_ref, oo_ref, m_ref, l_ref,
             q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar,
-            *, lay: kq.KVLayout, bps: int, phase: int, inflight: int,
+            *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool,
             ablate: frozenset = frozenset()):
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
@@ -199,12 +254,14 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
   tile0 = sp * bps
   f32 = jnp.float32
   wl = plgpu.Layout.WGMMA
+  n_fma = 0 if omma else n_out                      # outlier channels done as rank-1 updates
+  lo_col, hi_col = lay.d_low, lay.d_low + n_out     # with omma: their place in the MMA padding
 
   plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, bar.at[0])
-  if n_out:
+  if n_fma:
     plgpu.copy_gmem_to_smem(qo_ref.at[b, h], qo_smem, bar.at[0])
   plgpu.barrier_wait(bar.at[0])
-  q_out = [_ld(qo_smem, (o,), COL) for o in range(n_out)]              # [NQ] f32 each
+  q_out = [_ld(qo_smem, (o,), COL) for o in range(n_fma)]              # [NQ] f32 each
 
   rows = plgpu.broadcasted_iota(jnp.int32, (SLOT, NQ), 0, layout=wl)
   bcol = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])          # [NQ] along columns
@@ -220,6 +277,43 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
     t0 = j * SLOT
     return lambda mt, k, warp, quad: [_affine(64 * mt, 16, warp, div=G, cap=ng - 1),
                                       _ix(t0 // C), _affine(t0 % C + 8 * k, 2, quad)]
+
+  def key_patch(j):
+    """Keys (rows = slot j's tokens): columns [d_low, d_low + n_out) take the outlier
+    channels' 16-bit values, so the MMA adds their share of the scores."""
+    def patch(mt, k, half, r, ko_ref, ids):
+      if not (8 * k < hi_col and 8 * k + 8 > lo_col):
+        return None
+      t = arith.addi(arith.addi(arith.muli(ids["warp"], _i32(16)), ids["lane_row"]),
+                     _i32(j * SLOT + 8 * half))
+      ti = [_index(arith.divui(t, _i32(C))), _index(arith.remui(t, _i32(C)))]
+      col0 = arith.addi(_i32(8 * k), arith.muli(ids["quad"], _i32(2)))
+      sel = []
+      for e in (0, 1):
+        pred, o = _in_range(arith.addi(col0, _i32(e)), lo_col, hi_col)
+        x = memref.load(ko_ref, [_index(o)] + ti)
+        sel += [pred, _f16_bits(arith.extf(ir.F32Type.get(), x))]
+      return _select_halves(*sel, r)
+    return patch
+
+  def value_patch(j):
+    """v^T (rows = channels, columns = slot j's tokens): rows [d_low, d_low + n_out) take the
+    outlier channels' values, so out^T's rows there are the outlier outputs."""
+    def patch(mt, k, half, r, vo_ref, ids):
+      if not (64 * mt < hi_col and 64 * mt + 64 > lo_col):
+        return None
+      bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+      row = arith.addi(arith.addi(arith.muli(ids["warp"], _i32(16)), ids["lane_row"]),
+                       _i32(64 * mt + 8 * half))
+      pred, o = _in_range(row, lo_col, hi_col)
+      t0 = j * SLOT
+      col = arith.addi(_i32(t0 % C + 8 * k), arith.muli(ids["quad"], _i32(2)))
+      pair = mgpu_utils.bitcast(vector.load(bf16x2, vo_ref, [_index(o), _ix(t0 // C), _index(col)]),
+                                ir.IntegerType.get_signless(32))
+      lo = _f16_bits(_bf16_bits_to_f32(pair))
+      hi = _f16_bits(_bf16_bits_to_f32(arith.shrui(pair, _i32(16))))
+      return _select_halves(pred, lo, pred, hi, r)
+    return patch
 
   def stage_meta(ks, kz, vs, vz):
     """fp8/16-bit metadata of one tile -> (s * 2**bits, z - s * 2**bits) in fp16, in smem."""
@@ -246,7 +340,8 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
       # --- phase 1: scores^T [64, NQ] = k . q^T of every slot, MMAs issued back to back
       def qk(*acc_refs):
         for a_ref, j in zip(acc_refs, js):
-          k16 = _dequant(kw, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j))
+          k16 = _dequant(kw, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j),
+                         patch_ref=ko, patch=key_patch(j) if omma else None)
           plgpu.wgmma(a_ref, k16, plgpu.transpose_ref(q_smem, (1, 0)))
           plgpu.wgmma_wait(inflight)            # MMAs left in flight while the next slot dequantizes
         return [a_ref[...] for a_ref in acc_refs]
@@ -254,7 +349,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
       ss = list(ss)
       for n, j in enumerate(js):
         s = ss[n]
-        for o in range(0 if "out" in ablate else n_out):
+        for o in range(0 if "out" in ablate else n_fma):
           s = s + brow(_ld(ko, (o,) + tok_idx(j), ROW), s.shape) * bcol(q_out[o], s.shape)
         ss[n] = jnp.where(tbase + j * SLOT + rows < nq, s, NEG)
 
@@ -282,7 +377,8 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
 
       def pv(acc_ref):
         for n, j in enumerate(js):
-          v16 = _dequant(vw, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j))
+          v16 = _dequant(vw, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j),
+                         patch_ref=vo, patch=value_patch(j) if omma else None)
           plgpu.wgmma(acc_ref, v16, p_smem.at[n])
           plgpu.wgmma_wait(inflight)
       acc = pl.run_state(pv)(plgpu.ACC.init(acc))
@@ -303,7 +399,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
       _col(jnp.full((NQ,), NEG, f32)),
       zeros_sq(),
       plgpu.layout_cast(jnp.zeros((dp, NQ), f32), wl),
-      [zeros_sq() for _ in range(n_out)],
+      [zeros_sq() for _ in range(n_fma)],
   )
   at = lambda r: r.at[b, h]
   m, l_rows, acc, acc_vo = plgpu.emit_pipeline(
@@ -313,13 +409,13 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
   # output staging reuses the pipeline's shared memory (allocated only after it)
   def store(o_smem, oo_smem, ml_smem):
     o_smem[...] = acc
-    for o in range(n_out):
+    for o in range(n_fma):
       oo_smem[o] = acc_vo[o].sum(axis=0)
     ml_smem[0] = m
     ml_smem[1] = l_rows.sum(axis=0)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, sp])
-    if n_out:
+    if n_fma:
       plgpu.copy_smem_to_gmem(oo_smem, oo_ref.at[b, h, sp])
     plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[b, h, sp])
     plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[b, h, sp])
@@ -339,7 +435,7 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
 
 
 def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=PHASE_SLOTS,
-                       inflight=1, ablate=frozenset()):
+                       inflight=1, outliers_in_mma=False, ablate=frozenset()):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -352,10 +448,13 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   n_tiles = lay.cq // (SLOT * lay.cpw)
   ns, bps = _choose_splits(n_tiles, b * h, num_splits)
   phase = lay.cpw if phase_slots is None else max(1, min(int(phase_slots), lay.cpw))
+  omma = bool(outliers_in_mma and n_out and lay.d_low + n_out <= dp)
   lo_idx = kq.low_channel_index(kv.k_outlier_idx, d)
   q_lo = jnp.take_along_axis(qg, lo_idx[:, :, None, :], axis=3)
-  q_lo = jnp.pad(q_lo, [(0, 0), (0, 0), (0, NQ - g), (0, dp - lay.d_low)]).astype(jnp.float16)
   q_out = jnp.take_along_axis(qg, kv.k_outlier_idx[:, :, None, :], axis=3)       # [B,H,g,n_out]
+  if omma:                        # the outlier channels' query goes in the MMA's padding
+    q_lo = jnp.concatenate([q_lo, q_out], axis=3)
+  q_lo = jnp.pad(q_lo, [(0, 0), (0, 0), (0, NQ - g), (0, dp - q_lo.shape[3])]).astype(jnp.float16)
   nop = _NOP(n_out)
   q_out = jnp.pad(jnp.swapaxes(q_out, 2, 3), [(0, 0), (0, 0), (0, nop - n_out), (0, NQ - g)])
   ko, vo = kv.k_outliers, kv.v_outliers
@@ -378,10 +477,11 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       plgpu.SMEM((phase, SLOT, NQ), jnp.float16, transforms=_transforms(NQ, 2)),
       plgpu.SMEM((2, max(1, SLOT * lay.cpw // lay.config.group_size), dp), jnp.float16),  # key s2, z2
       plgpu.SMEM((2, lay.n_groups_tok, SLOT * lay.cpw // c, c), jnp.float16),        # value s2, z2
-      plgpu.Barrier(num_barriers=1, num_arrivals=1 + (n_out > 0)),
+      plgpu.Barrier(num_barriers=1, num_arrivals=1 + (n_out > 0 and not omma)),
   ]
   kern = plgpu.kernel(
-      functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, ablate=ablate),
+      functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
+                        ablate=ablate),
       out_type=out_types, grid=(b, h, ns), grid_names=("b", "h", "s"),
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024),
@@ -389,7 +489,10 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   o_lo, o_out, m, l = kern(nq, q_lo, q_out.astype(f32), kv.k_codes, kv.k_scale, kv.k_zero, tm(ko),
                            kv.v_codes, tm(kv.v_scale), tm(kv.v_zero), tm(vo))
   o_lo = jnp.swapaxes(o_lo, 3, 4)[:, :, :, :g]
-  o_out = jnp.swapaxes(o_out, 3, 4)[:, :, :, :g, :n_out]
+  if omma:
+    o_out = o_lo[..., lay.d_low:lay.d_low + n_out]
+  else:
+    o_out = jnp.swapaxes(o_out, 3, 4)[:, :, :, :g, :n_out]
   return m[..., :g], l[..., :g], o_lo, o_out
 
 
@@ -409,9 +512,10 @@ def fp_partial(qg, kv: kq.QuantizedKV):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "phase_slots", "inflight",
-                                             "ablate"))
+                                             "outliers_in_mma", "ablate"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
-                          phase_slots=PHASE_SLOTS, inflight=1, ablate: frozenset = frozenset()):
+                          phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=False,
+                          ablate: frozenset = frozenset()):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first."""
   from pallas_kernels.decode_attention import _combine, _pad_to
@@ -421,7 +525,8 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
   g = hq // h
   qg = (q.astype(jnp.float32) * (sm_scale * LOG2E)).reshape(b, h, g, d)
   m, l, o_lo, o_out = quantized_partials(qg, kv, num_splits=num_splits, phase_slots=phase_slots,
-                                      inflight=inflight, ablate=ablate)
+                                      inflight=inflight, outliers_in_mma=outliers_in_mma,
+                                      ablate=ablate)
   mf, lf, of = fp_partial(qg, kv)
   v_lo_idx = kq.low_channel_index(kv.v_outlier_idx, d)
   f_lo = _pad_to(jnp.take_along_axis(of, v_lo_idx[:, :, None, :], axis=3), (b, h, g, lay.d_pad))

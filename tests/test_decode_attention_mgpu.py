@@ -40,16 +40,17 @@ def test_unsupported_layout_is_a_clear_error():
     decode_attention(q, kv, backend="cuda")
 
 
-@pytest.mark.parametrize("bits,group,phase,inflight,frac", [
-    (2, 32, 8, 1, 0.02), (2, 32, 1, 0, 0.0), (3, 32, 2, 1, 0.02), (4, 64, 8, 1, 0.03),
-    (8, 128, 8, 1, 0.0)])
-def test_lowers_for_cuda(bits, group, phase, inflight, frac):
+@pytest.mark.parametrize("bits,group,phase,inflight,frac,omma", [
+    (2, 32, 8, 1, 0.02, False), (2, 32, 1, 0, 0.0, False), (3, 32, 2, 1, 0.02, False),
+    (4, 64, 8, 1, 0.03, False), (8, 128, 8, 1, 0.0, False),
+    (2, 32, 8, 1, 0.02, True), (4, 32, 4, 1, 0.03, True)])
+def test_lowers_for_cuda(bits, group, phase, inflight, frac, omma):
   """Traces the whole kernel (layouts, metadata staging, inline PTX, pipeline) and lowers
   it for CUDA."""
   cfg = kq.KVQuantConfig(bits=bits, group_size=group, outlier_fraction=frac, residual_window=group)
   kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 2, 2, 128, 4096))
   q = jax.ShapeDtypeStruct((2, 8, 128), jnp.bfloat16)
   fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, phase_slots=phase,
-                                              inflight=inflight)
+                                              inflight=inflight, outliers_in_mma=omma)
   text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
