@@ -152,9 +152,11 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
   shape = words.shape
   wl = plgpu.Layout.WGMMA
 
-  @plgpu.inline_mgpu(arg_types=(wl, plgpu.RefType(), plgpu.RefType()),
+  refs = (meta_ref,) if patch is None else (meta_ref, patch_ref)
+
+  @plgpu.inline_mgpu(arg_types=(wl,) + (plgpu.RefType(),) * len(refs),
                      return_type=plgpu.ShapeDtypeStruct(shape, jnp.float16, wl))
-  def fn(ctx, w, mref, pref):
+  def fn(ctx, w, mref, *pref):
     del ctx
     i32 = ir.IntegerType.get_signless(32)
     index = ir.IndexType.get()
@@ -167,8 +169,10 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
     regs = w.registers
     out = regs.copy()
     meta = {}
-    ids = dict(warp=arith.andi(arith.shrui(tid, _i32(5)), _i32(3)), quad=arith.andi(tid, _i32(3)),
-               lane_row=arith.shrui(arith.andi(tid, _i32(31)), _i32(2)))
+    if patch is not None:
+      ids = dict(warp=arith.andi(arith.shrui(tid, _i32(5)), _i32(3)),
+                 quad=arith.andi(tid, _i32(3)),
+                 lane_row=arith.shrui(arith.andi(tid, _i32(31)), _i32(2)))
     for idx in np.ndindex(regs.shape):
       mt, k = idx[0], idx[1]
       if (mt, k) not in meta:
@@ -178,12 +182,12 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
       r = llvm.inline_asm(i32, [mgpu_utils.bitcast(regs[idx], i32), mgpu_utils.bitcast(s2, i32),
                                 mgpu_utils.bitcast(z2, i32)], asm, "=r,r,r,r")
       if patch is not None:
-        patched = patch(idx[0], idx[1], idx[4], r, pref, ids)
+        patched = patch(idx[0], idx[1], idx[4], r, pref[0], ids)
         r = r if patched is None else patched
       out[idx] = mgpu_utils.bitcast(r, f16x2)
     return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
-  return fn(words, meta_ref, meta_ref if patch_ref is None else patch_ref)
+  return fn(words, *refs)
 
 
 def _i32(x):
