@@ -144,10 +144,10 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
   32-bit shared load per pair of columns), so a group boundary between warps costs
   nothing.
 
-  ``patch(mt, k, half, value_i32, patch_ref, ids)`` (optional) may replace the two
-  fp16 values of a register (as an i32) by others read from ``patch_ref``; it
-  returns None for registers it leaves alone. ``ids`` holds the thread's
-  ``warp, quad, lane_row`` as i32.
+  ``patch(mt, k, half, value_i32, patch_ref, row, quad)`` (optional) may replace the
+  two fp16 values of a register (as an i32) by others read from ``patch_ref``; it
+  returns None for registers it leaves alone. ``row = 16 warp + r`` and ``quad``
+  are the thread's position (i32).
   """
   shape = words.shape
   wl = plgpu.Layout.WGMMA
@@ -162,17 +162,17 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
     index = ir.IndexType.get()
     f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
     tid = mgpu_utils.thread_idx()
-    warp = arith.index_cast(index, arith.andi(arith.shrui(tid, arith.constant(i32, 5)),
-                                              arith.constant(i32, 3)))
-    quad = arith.index_cast(index, arith.andi(tid, arith.constant(i32, 3)))
+    warp_i32 = arith.andi(arith.shrui(tid, _i32(5)), _i32(3))
+    warp = _index(warp_i32)
+    quad_i32 = arith.andi(tid, _i32(3))
+    quad = _index(quad_i32)
     asm = _dequant_asm(bits, slot)
     regs = w.registers
     out = regs.copy()
     meta = {}
     if patch is not None:
-      ids = dict(warp=arith.andi(arith.shrui(tid, _i32(5)), _i32(3)),
-                 quad=arith.andi(tid, _i32(3)),
-                 lane_row=arith.shrui(arith.andi(tid, _i32(31)), _i32(2)))
+      row = arith.addi(arith.muli(warp_i32, _i32(16)),
+                       arith.shrui(arith.andi(tid, _i32(31)), _i32(2)))
     for idx in np.ndindex(regs.shape):
       mt, k = idx[0], idx[1]
       if (mt, k) not in meta:
@@ -182,7 +182,7 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
       r = llvm.inline_asm(i32, [mgpu_utils.bitcast(regs[idx], i32), mgpu_utils.bitcast(s2, i32),
                                 mgpu_utils.bitcast(z2, i32)], asm, "=r,r,r,r")
       if patch is not None:
-        patched = patch(idx[0], idx[1], idx[4], r, pref[0], ids)
+        patched = patch(idx[0], idx[1], idx[4], r, pref[0], row, quad_i32)
         r = r if patched is None else patched
       out[idx] = mgpu_utils.bitcast(r, f16x2)
     return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
@@ -228,10 +228,9 @@ def _index(x_i32):
   return arith.index_cast(ir.IndexType.get(), x_i32)
 
 
-def _ix(x, index=None):
+def _ix(x):
   """int or index Value -> index Value."""
-  index = index or ir.IndexType.get()
-  return arith.constant(index, x) if isinstance(x, int) else x
+  return arith.constant(ir.IndexType.get(), x) if isinstance(x, int) else x
 
 
 def _affine(base, coef, var, div=1, cap=None):
@@ -285,13 +284,12 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
   def key_patch(j):
     """Keys (rows = slot j's tokens): columns [d_low, d_low + n_out) take the outlier
     channels' 16-bit values, so the MMA adds their share of the scores."""
-    def patch(mt, k, half, r, ko_ref, ids):
+    def patch(mt, k, half, r, ko_ref, row, quad):
       if not (8 * k < hi_col and 8 * k + 8 > lo_col):
         return None
-      t = arith.addi(arith.addi(arith.muli(ids["warp"], _i32(16)), ids["lane_row"]),
-                     _i32(j * SLOT + 8 * half))
+      t = arith.addi(row, _i32(j * SLOT + 8 * half))                  # token in the tile
       ti = [_index(arith.divui(t, _i32(C))), _index(arith.remui(t, _i32(C)))]
-      col0 = arith.addi(_i32(8 * k), arith.muli(ids["quad"], _i32(2)))
+      col0 = arith.addi(_i32(8 * k), arith.muli(quad, _i32(2)))
       sel = []
       for e in (0, 1):
         pred, o = _in_range(arith.addi(col0, _i32(e)), lo_col, hi_col)
@@ -303,15 +301,14 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
   def value_patch(j):
     """v^T (rows = channels, columns = slot j's tokens): rows [d_low, d_low + n_out) take the
     outlier channels' values, so out^T's rows there are the outlier outputs."""
-    def patch(mt, k, half, r, vo_ref, ids):
+    def patch(mt, k, half, r, vo_ref, row, quad):
       if not (64 * mt < hi_col and 64 * mt + 64 > lo_col):
         return None
       bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
-      row = arith.addi(arith.addi(arith.muli(ids["warp"], _i32(16)), ids["lane_row"]),
-                       _i32(64 * mt + 8 * half))
-      pred, o = _in_range(row, lo_col, hi_col)
+      channel = arith.addi(row, _i32(64 * mt + 8 * half))
+      pred, o = _in_range(channel, lo_col, hi_col)
       t0 = j * SLOT
-      col = arith.addi(_i32(t0 % C + 8 * k), arith.muli(ids["quad"], _i32(2)))
+      col = arith.addi(_i32(t0 % C + 8 * k), arith.muli(quad, _i32(2)))
       pair = mgpu_utils.bitcast(vector.load(bf16x2, vo_ref, [_index(o), _ix(t0 // C), _index(col)]),
                                 ir.IntegerType.get_signless(32))
       lo = _f16_bits(_bf16_bits_to_f32(pair))
