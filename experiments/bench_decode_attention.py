@@ -162,7 +162,7 @@ def main():
   xla_fn = jax.jit(xla_attention)
   ours_bf16 = jax.jit(lambda q, k, v, L: decode_attention_bf16(q, k, v, L))
   best_kw = {}
-  ours_q = jax.jit(lambda q, c: decode_attention(q, c))
+  ours_q = jax.jit(lambda q, c: decode_attention(q, c, backend="triton"))
   mosaic_q = jax.jit(lambda q, c: decode_attention(q, c, backend="mosaic"))
   quantize = {name: jax.jit(lambda k, v, L, cfg=cfg: kq.quantize_kv(k, v, cfg, lengths=L))
               for name, cfg in configs.items()}
@@ -238,7 +238,7 @@ def main():
             if kw == best_kw:
               continue
             tag = ",".join(f"{a}={x}" for a, x in kw.items()) or "default"
-            f = jax.jit(lambda q, c, kw=kw: decode_attention(q, c, **kw))
+            f = jax.jit(lambda q, c, kw=kw: decode_attention(q, c, backend="triton", **kw))
             try:
               checks[f"B{b}_T{t}_{name}[{tag}]"] = rel_err(f(q, c), ref_full)
               tv = timeit(f, sets)
@@ -250,7 +250,7 @@ def main():
               log(f"   variant {tag} failed: {repr(e)[:600]}")
           if best[1] != best_kw:
             best_kw = best[1]
-            ours_q = jax.jit(lambda q, c, kw=best_kw: decode_attention(q, c, **kw))
+            ours_q = jax.jit(lambda q, c, kw=best_kw: decode_attention(q, c, backend="triton", **kw))
             res[name] = dict(res[name], ms=best[0] * 1e3, TBps=nbytes / best[0] / 1e12)
           info["kernel_options"] = best_kw
           log(f"   using {best_kw or 'defaults'} from here on")

@@ -12,6 +12,7 @@ Usage (device): PYTHONPATH=. python3 experiments/profile_decode_mgpu.py --b 8 --
 """
 import argparse
 import glob
+import itertools
 import re
 
 import jax
@@ -32,7 +33,8 @@ def main():
   ap.add_argument("--phase", type=int, nargs="*", default=[None])
   ap.add_argument("--ablate", nargs="*", default=["-"])
   ap.add_argument("--inflight", type=int, nargs="*", default=[1])
-  ap.add_argument("--omma", type=int, nargs="*", default=[0],
+  ap.add_argument("--stages", type=int, nargs="*", default=[dm.STAGES], help="TMA pipeline depths to try")
+  ap.add_argument("--omma", type=int, nargs="*", default=[1],
                   help="outliers_in_mma values to try (0: rank-1 updates, 1: MMA padding columns)")
   ap.add_argument("--outliers", type=float, default=0.02)
   ap.add_argument("--ptxas", default=None)
@@ -47,7 +49,8 @@ def main():
       cc = kq.quantize_kv(kc, vc, cfg, max_len=1024, lengths=jnp.array([1000, 517, 3]))
       ref = reference.quantized_decode_attention(qc, cc)
       for om in a.omma:
-        out = dm.decode_attention_mgpu(qc, cc, sm_scale=D ** -0.5, outliers_in_mma=bool(om))
+        out = dm.decode_attention_mgpu(qc, cc, sm_scale=D ** -0.5, outliers_in_mma=bool(om),
+                                       stages=a.stages[0])
         err = float(jnp.linalg.norm((out - ref).astype(jnp.float32))
                     / jnp.linalg.norm(ref.astype(jnp.float32)))
         print(f"check bits={bits} outliers_in_mma={om}: rel err {err:.2e}", flush=True)
@@ -58,18 +61,17 @@ def main():
   for ns in a.splits:
     for ph in a.phase:
       for fl in a.inflight:
-        for om in a.omma:
-          for ab in a.ablate:
+        for om, st, ab in itertools.product(a.omma, a.stages, a.ablate):
             ab = frozenset() if ab == "-" else frozenset(ab.split(","))
-            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om: dm.decode_attention_mgpu(
+            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om, st=st: dm.decode_attention_mgpu(
                 q, c, sm_scale=D ** -0.5, num_splits=ns, phase_slots=ph, inflight=fl,
-                outliers_in_mma=bool(om), ablate=ab))
+                outliers_in_mma=bool(om), stages=st, ablate=ab))
             tm = timeit(f, sets)
-            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} "
+            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} "
                   f"ablate={','.join(sorted(ab)) or '-':10s} {tm * 1e3:8.3f} ms "
                   f"{c.nbytes / tm / 1e12:5.2f} TB/s", flush=True)
   if a.triton:
-    tm = timeit(jax.jit(lambda q, c: decode_attention(q, c)), sets)
+    tm = timeit(jax.jit(lambda q, c: decode_attention(q, c, backend="triton")), sets)
     print(f"B={a.b} T={a.t} triton (default) {tm * 1e3:8.3f} ms {c.nbytes / tm / 1e12:5.2f} TB/s")
   if a.ptxas:
     for f in sorted(glob.glob(f"{a.ptxas}/*.ptxas")):

@@ -30,12 +30,14 @@ values ``[B, H, T, D]``:
 Decode attention (module ``pallas_kernels.decode_attention``; the package
 attribute of that name is the function):
 
-* ``decode_attention(q [B, Hq, D], kv: QuantizedKV, backend="triton") -> [B, Hq, D]``:
+* ``decode_attention(q [B, Hq, D], kv: QuantizedKV, backend="auto") -> [B, Hq, D]``:
   GQA (``Hq`` a multiple of ``H``), per-sequence lengths, split-K over the
-  sequence, packed codes dequantized in registers. ``backend="mosaic"`` runs the
-  Mosaic GPU kernel (``decode_attention_mgpu``; Hopper only, no interpret mode,
-  layouts its ``supports`` accepts: keys per channel, values per token, G >= 32,
-  at most 4 outlier channels, at most 16 query heads per kv-head).
+  sequence, packed codes dequantized in registers. ``backend="auto"`` runs the
+  Mosaic GPU kernel (``decode_attention_mgpu``) on Hopper GPUs for the layouts its
+  ``supports`` accepts (keys per channel, values per token, G >= 32, at most 4
+  outlier channels, at most 16 query heads per kv-head) and caches of at least
+  ``MOSAIC_MIN_TOKENS`` (batch * capacity), else the Triton kernel (which also
+  runs in interpret mode); ``"triton"`` / ``"mosaic"`` force one.
 * ``decode_attention_bf16(q, k [B, H, T, D], v, lengths [B]) -> [B, Hq, D]``.
 """
 

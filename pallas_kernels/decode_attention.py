@@ -423,10 +423,37 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
   return o.reshape(b, hq, d).astype(q.dtype)
 
 
+# "auto" takes the Mosaic GPU kernel from this many cached tokens (B * capacity) up: below,
+# a call is dominated by fixed per-launch cost, where the Triton kernel is cheaper (H200,
+# 2026-12-03, 2-bit + 2 %: B=1 4k triton 0.067 / mosaic 0.129 ms; B=1 32k 0.086 / 0.082;
+# B=8 4k 0.141 / 0.107; docs/benchmarks.md).
+MOSAIC_MIN_TOKENS = 32768
+
+
+def choose_backend(backend: str, kv: kq.QuantizedKV, num_q_heads_per_kv: int, interpret: bool) -> str:
+  """Resolves ``backend`` ("auto", "triton" or "mosaic") to the kernel that runs."""
+  if backend not in ("auto", "triton", "mosaic"):
+    raise ValueError(f"backend must be 'auto', 'triton' or 'mosaic', got {backend!r}")
+  if backend == "triton":
+    return backend
+  from pallas_kernels import decode_attention_mgpu as mgpu
+  supported = mgpu.supports(kv.layout, num_q_heads_per_kv)
+  if backend == "mosaic":
+    if not supported:
+      raise ValueError(f"the Mosaic GPU decode kernel does not support this cache layout "
+                       f"({kv.layout.config}, D_pad={kv.layout.d_pad}); use backend='triton'")
+    if interpret:
+      raise ValueError("backend='mosaic' has no interpret mode (it needs a Hopper GPU); "
+                       "use backend='triton' or 'auto'")
+    return backend
+  big = kv.batch * kv.layout.cq >= MOSAIC_MIN_TOKENS
+  return "mosaic" if supported and big and not interpret and mgpu.is_hopper() else "triton"
+
+
 def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None = None,
                      num_splits: int | None = None, num_warps: int = 1, num_stages: int = 1,
                      slots_per_step: int = 1, step_tokens: int = 32,
-                     backend: str = "triton", interpret: bool | None = None) -> jax.Array:
+                     backend: str = "auto", interpret: bool | None = None) -> jax.Array:
   """Attention of one query token per sequence to a quantized KV cache.
 
   Args:
@@ -443,12 +470,14 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
     step_tokens: tokens per unit of work, 32 (half a 64-token code slot) or 16
       (smaller register tiles).
     slots_per_step: units per loop step (1, 2 or 4): one softmax rescale per step.
-    backend: "triton" (this module's kernel: every layout, GPU or interpret mode)
-      or "mosaic" (``decode_attention_mgpu``: Hopper GPUs, the layouts its
-      ``supports`` accepts; num_warps/num_stages/step options do not apply).
-      On an H200 at B=8, 32k, 2-bit + 2 % outliers, "mosaic" took 0.311 ms and
-      "triton" 0.374 ms in one process (docs/benchmarks.md); other sizes are not
-      yet measured for "mosaic", so "triton" stays the default.
+    backend: "auto" (default): "mosaic" when compiling for a Hopper GPU (sm_90),
+      ``decode_attention_mgpu.supports`` accepts the layout and the cache holds at
+      least ``MOSAIC_MIN_TOKENS`` tokens (batch * capacity); else "triton".
+      "triton": this module's kernel (every layout, any CUDA GPU, interpret mode).
+      "mosaic": ``decode_attention_mgpu`` (Hopper only; num_warps, num_stages,
+      slots_per_step and step_tokens do not apply). On an H200 with 2-bit + 2 %
+      outliers at B=8, 32k: mosaic 0.236 ms, triton 0.381 ms, bf16 XLA 0.300 ms
+      (docs/benchmarks.md, 2026-12-03).
     interpret: ``None`` = compiled on GPU (dequantization in inline PTX),
       interpreted on CPU (the same arithmetic in ``jnp``).
   Returns:
@@ -467,17 +496,13 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
   if step_tokens not in (16, 32):
     raise ValueError(f"step_tokens must be 16 or 32, got {step_tokens!r}")
   sm_scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
-  if backend == "mosaic":
+  interpret = resolve_interpret(interpret)
+  if choose_backend(backend, kv, hq // kv.num_heads, interpret) == "mosaic":
     from pallas_kernels import decode_attention_mgpu as mgpu
-    if not mgpu.supports(kv.layout, hq // kv.num_heads):
-      raise ValueError(f"the Mosaic GPU decode kernel does not support this cache layout "
-                       f"({kv.layout.config}, D_pad={kv.layout.d_pad}); use backend='triton'")
     return mgpu.decode_attention_mgpu(q, kv, sm_scale=sm_scale, num_splits=num_splits)
-  if backend != "triton":
-    raise ValueError(f"backend must be 'triton' or 'mosaic', got {backend!r}")
   return _decode_quant(q, kv, sm_scale=sm_scale, num_splits=num_splits, num_warps=num_warps,
                        num_stages=num_stages, slots_per_step=slots_per_step, step_tokens=step_tokens,
-                       interpret=resolve_interpret(interpret))
+                       interpret=interpret)
 
 
 # --- bf16 kernel ------------------------------------------------------------------------

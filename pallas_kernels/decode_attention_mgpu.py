@@ -5,10 +5,13 @@ sequence against a ``QuantizedKV``), laid out so that the tensor cores see no
 padding on the token axis and the dequantized tiles never leave registers:
 
 * One warpgroup (128 threads) per program ``(b, h, split)``. A TMA pipeline
-  (``plgpu.emit_pipeline``, two stages) brings one ``[64, D_pad]`` tile of
+  (``plgpu.emit_pipeline``, ``stages`` deep, default 1) brings one ``[64, D_pad]`` tile of
   uint16 code words per step for keys and for values (``cpw`` slots of 64
   consecutive tokens each: 512 tokens at 2 bits), with the tile's scales,
-  zero-points and outlier values.
+  zero-points and outlier values. One stage keeps a program at 86 KB of shared
+  memory, so two programs share an SM and one computes while the other waits for
+  its tile (two stages: 133 KB, one program per SM, 0.294 against 0.238 ms on an
+  H200 at B=8, 32k).
 * Once per tile the fp8 metadata is turned into fp16 ``(s * 2**bits,
   z - s * 2**bits)`` in shared memory; the dequantization then loads, per
   thread, only the pair that scales its own rows and columns (one 32-bit load
@@ -25,14 +28,12 @@ padding on the token axis and the dequantized tiles never leave registers:
   every slot goes to shared memory as the B operand of
   ``out^T [D_pad, 16] += v^T . p^T``, whose A operand ``v^T`` is again
   dequantized in registers (loaded transposed, then moved to the MMA layout).
-* Outlier channels (at most four) are rank-1 updates on the CUDA cores. With
-  ``outliers_in_mma=True`` they instead take the MMA's padding columns
-  (``d_low + n_out <= D_pad``): their 16-bit values (as fp16) replace the
-  dequantized registers of those key columns and ``v^T`` rows, and the query's
-  outlier channels sit in the same columns, so the tensor cores do that work.
-  That path lowers (tests/test_decode_attention_mgpu.py) but has NOT yet run on
-  a GPU: it stays off until ``experiments/profile_decode_mgpu.py --check --omma 0 1``
-  has checked and timed it.
+* Outlier channels (at most four) take the MMA's padding columns
+  (``outliers_in_mma=True``, the default; needs ``d_low + n_out <= D_pad``): their
+  16-bit values (as fp16) replace the dequantized registers of those key columns and
+  ``v^T`` rows, and the query's outlier channels sit in the same columns, so the
+  tensor cores do that work (H200, B=8, 32k: 0.298 against 0.317 ms for rank-1
+  updates on the CUDA cores, which ``outliers_in_mma=False`` keeps).
 * Sinks and the full-precision window are attended in plain ``jnp`` (a few
   dozen tokens); the partials are merged in log2 units as in the Triton kernel.
 
@@ -68,6 +69,7 @@ SLOT = kq.PACK_STRIDE      # 64 tokens per code slot = M of the key MMA
 MAX_OUTLIERS = 4
 _NOP = lambda n: 2 if n <= 2 else 4   # outlier rows of the small buffers (copies of >= 128 bytes)
 _TARGET_PROGRAMS = 1024
+STAGES = 1               # TMA pipeline depth (tiles in flight per program; see below)
 PHASE_SLOTS = 8          # 64-token slots per softmax update, capped at cpw (H200, B=8, 32k, 2-bit:
                          # 8 -> 0.311 ms, 4 -> 0.320, 2 -> 0.338, 1 -> 0.419)
 
@@ -81,6 +83,12 @@ def supports(layout: kq.KVLayout, num_q_heads_per_kv: int) -> bool:
           and layout.d_pad % 64 == 0 and layout.cq > 0
           and g >= 32 and (SLOT % g == 0 or g % SLOT == 0) and tile % g == 0
           and layout.n_out <= MAX_OUTLIERS and num_q_heads_per_kv <= NQ)
+
+
+def is_hopper() -> bool:
+  """Whether jax's default device is a Hopper GPU (compute capability 9.x)."""
+  dev = jax.devices()[0]
+  return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
 def _chunk(tile_tokens):
@@ -244,7 +252,7 @@ def _affine(base, coef, var, div=1, cap=None):
 def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
             o_ref, oo_ref, m_ref, l_ref,
             q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar,
-            *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool,
+            *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int,
             ablate: frozenset = frozenset()):
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
@@ -404,7 +412,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
   )
   at = lambda r: r.at[b, h]
   m, l_rows, acc, acc_vo = plgpu.emit_pipeline(
-      body, grid=(bps,), in_specs=specs, max_concurrent_steps=2, init_carry=init,
+      body, grid=(bps,), in_specs=specs, max_concurrent_steps=stages, init_carry=init,
   )(at(kc_ref), at(ks_ref), at(kz_ref), at(ko_ref), at(vc_ref), at(vs_ref), at(vz_ref), at(vo_ref))
 
   # output staging reuses the pipeline's shared memory (allocated only after it)
@@ -436,7 +444,7 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
 
 
 def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=PHASE_SLOTS,
-                       inflight=1, outliers_in_mma=False, ablate=frozenset()):
+                       inflight=1, outliers_in_mma=True, stages=STAGES, ablate=frozenset()):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -482,7 +490,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   ]
   kern = plgpu.kernel(
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
-                        ablate=ablate),
+                        stages=stages, ablate=ablate),
       out_type=out_types, grid=(b, h, ns), grid_names=("b", "h", "s"),
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024),
@@ -513,9 +521,9 @@ def fp_partial(qg, kv: kq.QuantizedKV):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "phase_slots", "inflight",
-                                             "outliers_in_mma", "ablate"))
+                                             "outliers_in_mma", "stages", "ablate"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
-                          phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=False,
+                          phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
                           ablate: frozenset = frozenset()):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first."""
@@ -526,7 +534,7 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
   g = hq // h
   qg = (q.astype(jnp.float32) * (sm_scale * LOG2E)).reshape(b, h, g, d)
   m, l, o_lo, o_out = quantized_partials(qg, kv, num_splits=num_splits, phase_slots=phase_slots,
-                                      inflight=inflight, outliers_in_mma=outliers_in_mma,
+                                      inflight=inflight, outliers_in_mma=outliers_in_mma, stages=stages,
                                       ablate=ablate)
   mf, lf, of = fp_partial(qg, kv)
   v_lo_idx = kq.low_channel_index(kv.v_outlier_idx, d)

@@ -8,7 +8,7 @@ import pytest
 
 from pallas_kernels import decode_attention_mgpu as dm
 from pallas_kernels import kv_quant as kq
-from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.decode_attention import choose_backend, decode_attention
 
 
 def _layout(**kw):
@@ -40,17 +40,45 @@ def test_unsupported_layout_is_a_clear_error():
     decode_attention(q, kv, backend="cuda")
 
 
-@pytest.mark.parametrize("bits,group,phase,inflight,frac,omma", [
-    (2, 32, 8, 1, 0.02, False), (2, 32, 1, 0, 0.0, False), (3, 32, 2, 1, 0.02, False),
-    (4, 64, 8, 1, 0.03, False), (8, 128, 8, 1, 0.0, False),
-    (2, 32, 8, 1, 0.02, True), (4, 32, 4, 1, 0.03, True)])
-def test_lowers_for_cuda(bits, group, phase, inflight, frac, omma):
+@pytest.mark.parametrize("bits,group,phase,inflight,frac,omma,stages", [
+    (2, 32, 8, 1, 0.02, False, 2), (2, 32, 1, 0, 0.0, False, 1), (3, 32, 2, 1, 0.02, False, 1),
+    (4, 64, 8, 1, 0.03, False, 2), (8, 128, 8, 1, 0.0, True, 1),
+    (2, 32, 8, 1, 0.02, True, 1), (4, 32, 4, 1, 0.03, True, 2)])
+def test_lowers_for_cuda(bits, group, phase, inflight, frac, omma, stages):
   """Traces the whole kernel (layouts, metadata staging, inline PTX, pipeline) and lowers
   it for CUDA."""
   cfg = kq.KVQuantConfig(bits=bits, group_size=group, outlier_fraction=frac, residual_window=group)
   kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 2, 2, 128, 4096))
   q = jax.ShapeDtypeStruct((2, 8, 128), jnp.bfloat16)
   fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, phase_slots=phase,
-                                              inflight=inflight, outliers_in_mma=omma)
+                                              inflight=inflight, outliers_in_mma=omma,
+                                              stages=stages)
   text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("backend,hopper,interpret,frac,tokens,want", [
+    ("auto", False, True, 0.02, 32768, "triton"),       # CPU: interpret mode is Triton's
+    ("auto", True, False, 0.02, 32768, "mosaic"),       # Hopper, supported, large enough
+    ("auto", True, False, 0.02, 4096, "triton"),        # too small: fixed launch cost dominates
+    ("auto", True, False, 0.15, 32768, "triton"),       # layout the Mosaic kernel does not take
+    ("auto", False, False, 0.02, 32768, "triton"),      # other GPUs
+    ("triton", True, False, 0.02, 32768, "triton"),
+    ("mosaic", True, False, 0.02, 256, "mosaic"),
+])
+def test_choose_backend(monkeypatch, backend, hopper, interpret, frac, tokens, want):
+  monkeypatch.setattr(dm, "is_hopper", lambda: hopper)
+  cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=frac)
+  kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 1, 2, 128, tokens))
+  assert choose_backend(backend, kv, 4, interpret) == want
+
+
+def test_mosaic_has_no_interpret_mode():
+  cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=0.02)
+  kv = kq.empty_kv(cfg, 1, 2, 128, 256)
+  with pytest.raises(ValueError, match="no interpret mode"):
+    decode_attention(jnp.zeros((1, 8, 128), jnp.bfloat16), kv, backend="mosaic", interpret=True)
+
+
+def test_is_hopper_is_false_on_cpu():
+  assert jax.default_backend() != "cpu" or not dm.is_hopper()
