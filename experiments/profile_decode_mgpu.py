@@ -34,6 +34,8 @@ def main():
   ap.add_argument("--ablate", nargs="*", default=["-"])
   ap.add_argument("--inflight", type=int, nargs="*", default=[1])
   ap.add_argument("--stages", type=int, nargs="*", default=[dm.STAGES], help="TMA pipeline depths to try")
+  ap.add_argument("--heads-pad", type=int, nargs="*", default=[0],
+                  help="MMA N (query heads padded) to try; 0 = the kernel's choice")
   ap.add_argument("--omma", type=int, nargs="*", default=[1],
                   help="outliers_in_mma values to try (0: rank-1 updates, 1: MMA padding columns)")
   ap.add_argument("--outliers", type=float, default=0.02)
@@ -61,13 +63,13 @@ def main():
   for ns in a.splits:
     for ph in a.phase:
       for fl in a.inflight:
-        for om, st, ab in itertools.product(a.omma, a.stages, a.ablate):
+        for om, st, hp, ab in itertools.product(a.omma, a.stages, a.heads_pad, a.ablate):
             ab = frozenset() if ab == "-" else frozenset(ab.split(","))
-            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om, st=st: dm.decode_attention_mgpu(
+            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om, st=st, hp=hp: dm.decode_attention_mgpu(
                 q, c, sm_scale=D ** -0.5, num_splits=ns, phase_slots=ph, inflight=fl,
-                outliers_in_mma=bool(om), stages=st, ablate=ab))
+                outliers_in_mma=bool(om), stages=st, heads_pad=hp or None, ablate=ab))
             tm = timeit(f, sets)
-            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} "
+            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} heads_pad={hp} "
                   f"ablate={','.join(sorted(ab)) or '-':10s} {tm * 1e3:8.3f} ms "
                   f"{c.nbytes / tm / 1e12:5.2f} TB/s", flush=True)
   if a.triton:

@@ -476,7 +476,7 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
       "triton": this module's kernel (every layout, any CUDA GPU, interpret mode).
       "mosaic": ``decode_attention_mgpu`` (Hopper only; num_warps, num_stages,
       slots_per_step and step_tokens do not apply). On an H200 with 2-bit + 2 %
-      outliers at B=8, 32k: mosaic 0.236 ms, triton 0.381 ms, bf16 XLA 0.300 ms
+      outliers at B=8, 32k: mosaic 0.196 ms, triton 0.373 ms, bf16 XLA 0.303 ms
       (docs/benchmarks.md, 2026-12-03).
     interpret: ``None`` = compiled on GPU (dequantization in inline PTX),
       interpreted on CPU (the same arithmetic in ``jnp``).

@@ -20,13 +20,15 @@ padding on the token axis and the dequantized tiles never leave registers:
 * Slots are processed in phases of ``phase_slots`` (default: the whole tile).
   Phase part 1: for each slot, keys are dequantized into the register layout
   of a ``wgmma`` A operand (``[64 tokens, D_pad]`` fp16) and multiplied by the
-  query held in shared memory, ``scores^T [64, 16] = k . q^T`` (the query heads
-  of one kv-head, padded to 16, are the MMA's N); the MMAs are issued back to
+  query held in shared memory, ``scores^T [64, N] = k . q^T`` (the query heads
+  of one kv-head, padded to N = 8, or 16 above 8 heads, are the MMA's N; H200,
+  B=8, 32k, 4 heads: N = 8 0.201 ms, N = 16 0.238); the MMAs are issued back to
   back, one left in flight while the next slot dequantizes. Then one
   online-softmax update for the whole phase (a single cross-warp max; the
   running sum stays distributed over rows until the end). Part 2: ``p^T`` of
   every slot goes to shared memory as the B operand of
-  ``out^T [D_pad, 16] += v^T . p^T``, whose A operand ``v^T`` is again
+  ``out^T [D_pad, N] += v^T . p^T`` (for N = 8 stored tokens-minor as ``p [N, 64]``
+  by 16-bit stores, see ``_store_transposed``), whose A operand ``v^T`` is again
   dequantized in registers (loaded transposed, then moved to the MMA layout).
 * Outlier channels (at most four) take the MMA's padding columns
   (``outliers_in_mma=True``, the default; needs ``d_low + n_out <= D_pad``): their
@@ -64,7 +66,7 @@ from pallas_kernels import kv_quant as kq
 
 NEG = -1e30
 LOG2E = 1.4426950408889634
-NQ = 16                    # query heads per kv-head, padded: the N of both MMAs
+NQ = 16                    # most query heads per kv-head (the MMAs' N: 8 up to 8 heads, else 16)
 SLOT = kq.PACK_STRIDE      # 64 tokens per code slot = M of the key MMA
 MAX_OUTLIERS = 4
 _NOP = lambda n: 2 if n <= 2 else 4   # outlier rows of the small buffers (copies of >= 128 bytes)
@@ -198,6 +200,31 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
   return fn(words, *refs)
 
 
+def _store_transposed(x, ref):
+  """Stores x [64, N] (fp16, WGMMA layout) into ``ref [N, 64]`` (tiled (8, 64), 128-byte
+  swizzle) as x^T, one 16-bit store per value: Pallas refuses a transposed store into a
+  swizzled dimension. Element (n, t) sits in row n, 16-byte chunk (t // 8) ^ (n % 8)."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(_transforms(SLOT, 2))))
+  def fn(ctx, xa, mref):
+    del ctx
+    i16, f16 = ir.IntegerType.get_signless(16), ir.F16Type.get()
+    tid = mgpu_utils.thread_idx()
+    warp = arith.andi(arith.shrui(tid, _i32(5)), _i32(3))
+    r = arith.andi(arith.shrui(tid, _i32(2)), _i32(7))
+    quad = arith.andi(tid, _i32(3))
+    zero = _ix(0)
+    for idx in np.ndindex(xa.registers.shape):   # [64, 8]: one register per row half
+      half = idx[4]
+      pair = mgpu_utils.bitcast(xa.registers[idx], ir.IntegerType.get_signless(32))
+      chunk = arith.addi(arith.muli(warp, _i32(2)), _i32(half))     # (16 w + r + 8 half) // 8
+      for e in (0, 1):
+        n = arith.addi(arith.muli(quad, _i32(2)), _i32(e))
+        col = arith.ori(arith.shli(arith.xori(chunk, n), _i32(3)), r)
+        bits16 = arith.trunci(i16, pair if e == 0 else arith.shrui(pair, _i32(16)))
+        memref.store(arith.bitcast(f16, bits16), mref, [zero, zero, _index(n), _index(col)])
+  fn(x, ref)
+
+
 def _i32(x):
   return arith.constant(ir.IntegerType.get_signless(32), x)
 
@@ -252,7 +279,7 @@ def _affine(base, coef, var, div=1, cap=None):
 def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
             o_ref, oo_ref, m_ref, l_ref,
             q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar,
-            *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int,
+            *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
             ablate: frozenset = frozenset()):
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
@@ -266,16 +293,17 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
   f32 = jnp.float32
   wl = plgpu.Layout.WGMMA
   n_fma = 0 if omma else n_out                      # outlier channels done as rank-1 updates
+  p_tokens_minor = npad * 2 < 32                    # p^T rows too short to swizzle
   lo_col, hi_col = lay.d_low, lay.d_low + n_out     # with omma: their place in the MMA padding
 
   plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, bar.at[0])
   if n_fma:
     plgpu.copy_gmem_to_smem(qo_ref.at[b, h], qo_smem, bar.at[0])
   plgpu.barrier_wait(bar.at[0])
-  q_out = [_ld(qo_smem, (o,), COL) for o in range(n_fma)]              # [NQ] f32 each
+  q_out = [_ld(qo_smem, (o,), COL) for o in range(n_fma)]              # [npad] f32 each
 
-  rows = plgpu.broadcasted_iota(jnp.int32, (SLOT, NQ), 0, layout=wl)
-  bcol = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])          # [NQ] along columns
+  rows = plgpu.broadcasted_iota(jnp.int32, (SLOT, npad), 0, layout=wl)
+  bcol = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])          # [npad] along columns
   brow = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])          # [SLOT] along rows
 
   def k_meta_index(j):
@@ -346,7 +374,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
       # the code words hold every slot of the tile: one shared-memory read per phase
       kw = plgpu.load(kc, (), layout=wl)                                     # [64, dp] u16
 
-      # --- phase 1: scores^T [64, NQ] = k . q^T of every slot, MMAs issued back to back
+      # --- phase 1: scores^T [64, npad] = k . q^T of every slot, MMAs issued back to back
       def qk(*acc_refs):
         for a_ref, j in zip(acc_refs, js):
           k16 = _dequant(kw, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j),
@@ -354,7 +382,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
           plgpu.wgmma(a_ref, k16, plgpu.transpose_ref(q_smem, (1, 0)))
           plgpu.wgmma_wait(inflight)            # MMAs left in flight while the next slot dequantizes
         return [a_ref[...] for a_ref in acc_refs]
-      ss = pl.run_scoped(qk, *[plgpu.ACC((SLOT, NQ), f32) for _ in js])
+      ss = pl.run_scoped(qk, *[plgpu.ACC((SLOT, npad), f32) for _ in js])
       ss = list(ss)
       for n, j in enumerate(js):
         s = ss[n]
@@ -376,10 +404,13 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
         if "out" not in ablate:
           acc_vo = [a + brow(_ld(vo, (o,) + tok_idx(j), ROW), p.shape) * p
                     for o, a in enumerate(acc_vo)]
-        p_smem[n] = p.astype(jnp.float16)
+        if p_tokens_minor:                     # [npad, 64]: 16-byte rows of p^T cannot be swizzled
+          _store_transposed(p.astype(jnp.float16), p_smem.at[n])
+        else:
+          p_smem[n] = p.astype(jnp.float16)
       plgpu.commit_smem()
 
-      # --- phase 2: out^T [dp, NQ] += v^T . p^T, v^T dequantized in the A-operand layout
+      # --- phase 2: out^T [dp, npad] += v^T . p^T, v^T dequantized in the A-operand layout
       vw = plgpu.layout_cast(
           plgpu.load(plgpu.transpose_ref(vc, (1, 0)), (), layout=plgpu.Layout.WGMMA_TRANSPOSED),
           wl)                                                                  # [dp, 64] u16
@@ -388,7 +419,8 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
         for n, j in enumerate(js):
           v16 = _dequant(vw, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j),
                          patch_ref=vo, patch=value_patch(j) if omma else None)
-          plgpu.wgmma(acc_ref, v16, p_smem.at[n])
+          pb = plgpu.transpose_ref(p_smem.at[n], (1, 0)) if p_tokens_minor else p_smem.at[n]
+          plgpu.wgmma(acc_ref, v16, pb)
           plgpu.wgmma_wait(inflight)
       acc = pl.run_state(pv)(plgpu.ACC.init(acc))
     return m, l_rows, acc, acc_vo
@@ -403,11 +435,11 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
       plgpu.BlockSpec((ng, P // C, C), lambda i: (0, tile0 + i, 0)),                           # v zero
       plgpu.BlockSpec((max(n_out, 1), P // C, C), lambda i: (0, tile0 + i, 0)),                # v outliers
   ]
-  zeros_sq = lambda: plgpu.layout_cast(jnp.zeros((SLOT, NQ), f32), wl)
+  zeros_sq = lambda: plgpu.layout_cast(jnp.zeros((SLOT, npad), f32), wl)
   init = (
-      _col(jnp.full((NQ,), NEG, f32)),
+      _col(jnp.full((npad,), NEG, f32)),
       zeros_sq(),
-      plgpu.layout_cast(jnp.zeros((dp, NQ), f32), wl),
+      plgpu.layout_cast(jnp.zeros((dp, npad), f32), wl),
       [zeros_sq() for _ in range(n_fma)],
   )
   at = lambda r: r.at[b, h]
@@ -430,7 +462,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
     plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[b, h, sp])
     plgpu.wait_smem_to_gmem(0)
   nop = oo_ref.shape[3]
-  pl.run_scoped(store, plgpu.SMEM((dp, NQ), f32), plgpu.SMEM((nop, NQ), f32), plgpu.SMEM((2, NQ), f32))
+  pl.run_scoped(store, plgpu.SMEM((dp, npad), f32), plgpu.SMEM((nop, npad), f32), plgpu.SMEM((2, npad), f32))
 
 
 def _choose_splits(n_tiles, batch_heads, num_splits):
@@ -444,7 +476,8 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
 
 
 def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=PHASE_SLOTS,
-                       inflight=1, outliers_in_mma=True, stages=STAGES, ablate=frozenset()):
+                       inflight=1, outliers_in_mma=True, stages=STAGES, heads_pad=None,
+                       ablate=frozenset()):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -453,6 +486,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   """
   lay = kv.layout
   b, h, g, d = qg.shape
+  npad = heads_pad or (8 if g <= 8 else NQ)      # the MMAs' N: query heads, padded
   dp, n_out = lay.d_pad, lay.n_out
   n_tiles = lay.cq // (SLOT * lay.cpw)
   ns, bps = _choose_splits(n_tiles, b * h, num_splits)
@@ -463,9 +497,9 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   q_out = jnp.take_along_axis(qg, kv.k_outlier_idx[:, :, None, :], axis=3)       # [B,H,g,n_out]
   if omma:                        # the outlier channels' query goes in the MMA's padding
     q_lo = jnp.concatenate([q_lo, q_out], axis=3)
-  q_lo = jnp.pad(q_lo, [(0, 0), (0, 0), (0, NQ - g), (0, dp - q_lo.shape[3])]).astype(jnp.float16)
+  q_lo = jnp.pad(q_lo, [(0, 0), (0, 0), (0, npad - g), (0, dp - q_lo.shape[3])]).astype(jnp.float16)
   nop = _NOP(n_out)
-  q_out = jnp.pad(jnp.swapaxes(q_out, 2, 3), [(0, 0), (0, 0), (0, nop - n_out), (0, NQ - g)])
+  q_out = jnp.pad(jnp.swapaxes(q_out, 2, 3), [(0, 0), (0, 0), (0, nop - n_out), (0, npad - g)])
   ko, vo = kv.k_outliers, kv.v_outliers
   if not n_out:
     ko = vo = jnp.zeros((b, h, 1, lay.cq), jnp.bfloat16)
@@ -475,22 +509,23 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
 
   f32 = jnp.float32
   out_types = (
-      jax.ShapeDtypeStruct((b, h, ns, dp, NQ), f32),
-      jax.ShapeDtypeStruct((b, h, ns, nop, NQ), f32),
-      jax.ShapeDtypeStruct((b, h, ns, NQ), f32),
-      jax.ShapeDtypeStruct((b, h, ns, NQ), f32),
+      jax.ShapeDtypeStruct((b, h, ns, dp, npad), f32),
+      jax.ShapeDtypeStruct((b, h, ns, nop, npad), f32),
+      jax.ShapeDtypeStruct((b, h, ns, npad), f32),
+      jax.ShapeDtypeStruct((b, h, ns, npad), f32),
   )
   scratch = [
-      plgpu.SMEM((NQ, dp), jnp.float16, transforms=_transforms(dp, 2)),
-      plgpu.SMEM((nop, NQ), f32),
-      plgpu.SMEM((phase, SLOT, NQ), jnp.float16, transforms=_transforms(NQ, 2)),
+      plgpu.SMEM((npad, dp), jnp.float16, transforms=_transforms(dp, 2)),
+      plgpu.SMEM((nop, npad), f32),
+      (plgpu.SMEM((phase, npad, SLOT), jnp.float16, transforms=_transforms(SLOT, 2)) if npad * 2 < 32
+       else plgpu.SMEM((phase, SLOT, npad), jnp.float16, transforms=_transforms(npad, 2))),
       plgpu.SMEM((2, max(1, SLOT * lay.cpw // lay.config.group_size), dp), jnp.float16),  # key s2, z2
       plgpu.SMEM((2, lay.n_groups_tok, SLOT * lay.cpw // c, c), jnp.float16),        # value s2, z2
       plgpu.Barrier(num_barriers=1, num_arrivals=1 + (n_out > 0 and not omma)),
   ]
   kern = plgpu.kernel(
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
-                        stages=stages, ablate=ablate),
+                        stages=stages, npad=npad, ablate=ablate),
       out_type=out_types, grid=(b, h, ns), grid_names=("b", "h", "s"),
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024),
@@ -521,9 +556,10 @@ def fp_partial(qg, kv: kq.QuantizedKV):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "phase_slots", "inflight",
-                                             "outliers_in_mma", "stages", "ablate"))
+                                             "outliers_in_mma", "stages", "heads_pad", "ablate"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
+                          heads_pad=None,
                           ablate: frozenset = frozenset()):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first."""
@@ -535,6 +571,7 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
   qg = (q.astype(jnp.float32) * (sm_scale * LOG2E)).reshape(b, h, g, d)
   m, l, o_lo, o_out = quantized_partials(qg, kv, num_splits=num_splits, phase_slots=phase_slots,
                                       inflight=inflight, outliers_in_mma=outliers_in_mma, stages=stages,
+                                      heads_pad=heads_pad,
                                       ablate=ablate)
   mf, lf, of = fp_partial(qg, kv)
   v_lo_idx = kq.low_channel_index(kv.v_outlier_idx, d)
