@@ -8,7 +8,7 @@ compiler's resource reports land in DIR; ``--ptxas DIR`` prints their register a
 spill lines.
 Usage (device): PYTHONPATH=. python3 experiments/profile_decode_mgpu.py --b 8 --t 32768 \
   --phase 8 4 2 --ablate - out out,max
-  PYTHONPATH=. python3 experiments/profile_decode_mgpu.py --check --triton --omma 0 1
+  PYTHONPATH=. python3 experiments/profile_decode_mgpu.py --check --triton --heads-pad 8 16 --stages 1 2
 """
 import argparse
 import glob
@@ -41,7 +41,7 @@ def main():
   ap.add_argument("--outliers", type=float, default=0.02)
   ap.add_argument("--ptxas", default=None)
   ap.add_argument("--check", action="store_true", help="first: error vs the reference (small, ragged)")
-  ap.add_argument("--triton", action="store_true", help="also time the Triton kernel")
+  ap.add_argument("--triton", action="store_true", help="also time the Triton kernel (both unit orders)")
   a = ap.parse_args()
   if a.check:
     kc, vc = make_kv(jax.random.key(2), 3, 1000)
@@ -72,9 +72,11 @@ def main():
             print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} heads_pad={hp} "
                   f"ablate={','.join(sorted(ab)) or '-':10s} {tm * 1e3:8.3f} ms "
                   f"{c.nbytes / tm / 1e12:5.2f} TB/s", flush=True)
-  if a.triton:
-    tm = timeit(jax.jit(lambda q, c: decode_attention(q, c, backend="triton")), sets)
-    print(f"B={a.b} T={a.t} triton (default) {tm * 1e3:8.3f} ms {c.nbytes / tm / 1e12:5.2f} TB/s")
+  if a.triton:                      # both unit orders (rows_first: the L1-friendly one)
+    for rf in (False, True):
+      tm = timeit(jax.jit(lambda q, c, rf=rf: decode_attention(q, c, backend="triton", rows_first=rf)), sets)
+      print(f"B={a.b} T={a.t} triton rows_first={rf} {tm * 1e3:8.3f} ms {c.nbytes / tm / 1e12:5.2f} TB/s",
+            flush=True)
   if a.ptxas:
     for f in sorted(glob.glob(f"{a.ptxas}/*.ptxas")):
       lines = [l.strip() for l in open(f) if re.search(r"registers|spill|smem", l)]

@@ -151,7 +151,8 @@ def _dequant(words, j, s2, z2, bits, use_asm):
 # --- quantized kernel -------------------------------------------------------------------
 
 
-def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_asm, U, T):
+def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_asm, U, T,
+                  rows_first=False):
   r = dict(zip(names, refs))
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
@@ -199,11 +200,23 @@ def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_
       q_cols = [jnp.sum(jnp.where(ocols[None, :] == c, q_out.astype(jnp.float32), 0.0), axis=1)
                 for c in range(n_out)]
     slot0 = sidx * bps
-    nslot = jnp.clip((nq - slot0 * T + T - 1) // T, 0, bps)
+    P, Ut = W * cpw, W * cpw // T                # tokens and units per word tile
+    if rows_first:                               # whole tiles: every unit up to nq's tile
+      nslot = jnp.clip((nq + P - 1) // P * Ut - slot0, 0, bps)
+    else:
+      nslot = jnp.clip((nq - slot0 * T + T - 1) // T, 0, bps)
 
     def locate(gs):
-      """(t0, code slot j in its word tile, word rows) of unit gs (tokens [gs*T, gs*T+T))."""
+      """(t0, code slot j in its word tile, word rows) of unit gs: tokens [t0, t0 + T).
+
+      Token order: units follow the tokens. rows_first: within a word tile, the cpw
+      slots of one T-row band come one after another, so the band a program re-reads
+      cpw times stays in L1 (T * D_pad * 2 bytes instead of the tile's W rows)."""
       gs = jnp.minimum(gs, cq // T - 1)          # a step's spare unit stays in bounds (masked)
+      if rows_first:
+        tile, u = jax.lax.div(gs, jnp.int32(Ut)), jax.lax.rem(gs, jnp.int32(Ut))
+        band, j = jax.lax.div(u, jnp.int32(cpw)), jax.lax.rem(u, jnp.int32(cpw))
+        return tile * P + j * W + band * T, j, tile * W + band * T + arT
       t0 = gs * T
       slot = t0 // W
       return (t0, jax.lax.rem(slot, jnp.int32(cpw)),
@@ -222,8 +235,8 @@ def _quant_kernel(*refs, names, lay: kq.KVLayout, ns, bps, gp, dt, df, nop, use_
       elif n_out:
         ko_t = _tile(r["k_outliers"], ocols, t0 + arT, omask, None)     # [nop, T]
         s = s + _dot(q_out, ko_t)
-      if G < T:                                  # nq is a multiple of G only
-        valid = valid & (gs * T + arT < nq)
+      if G < T or rows_first:                    # nq is a multiple of G only; rows_first
+        valid = valid & (t0 + arT < nq)          # reaches past nq inside the last tile
       elif valid is not True:
         valid = jnp.broadcast_to(valid, (T,))
       return s if valid is True else jnp.where(valid[None, :], s, NEG)
@@ -331,9 +344,9 @@ def _pad_to(x, shape):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "num_warps", "num_stages",
-                                             "slots_per_step", "step_tokens", "interpret"))
+                                             "slots_per_step", "step_tokens", "interpret", "rows_first"))
 def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_per_step,
-                  step_tokens, interpret):
+                  step_tokens, interpret, rows_first=False):
   lay = kv.layout
   cfg = lay.config
   b, hq, d = q.shape
@@ -344,8 +357,12 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
   dt = max(16, _np2(lay.d_low), cfg.group_size)
   df = max(16, _np2(d))
   nop = max(16, _np2(n_out))
-  num_units = lay.cq // step_tokens
-  ns, bps = _choose_splits(num_units, b * h, num_splits)
+  if rows_first:                 # splits hold whole word tiles (units are reordered inside one)
+    units_per_tile = lay.pack_tokens // step_tokens
+    ns, tiles_per_split = _choose_splits(lay.cq // lay.pack_tokens, b * h, num_splits)
+    bps = tiles_per_split * units_per_tile
+  else:
+    ns, bps = _choose_splits(lay.cq // step_tokens, b * h, num_splits)
 
   qg = (q.astype(jnp.float32) * (sm_scale * LOG2E)).reshape(b, h, g, d)
   k_lo_idx = kq.low_channel_index(kv.k_outlier_idx, d)
@@ -393,7 +410,7 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
 
   kernel = functools.partial(
       _quant_kernel, names=names + out_names, lay=lay, ns=ns, bps=bps, gp=gp, dt=dt, df=df,
-      nop=nop, use_asm=not interpret, U=slots_per_step, T=step_tokens)
+      nop=nop, use_asm=not interpret, U=slots_per_step, T=step_tokens, rows_first=rows_first)
   outs = pl.pallas_call(
       kernel,
       grid=(b, h, nsp),
@@ -452,7 +469,7 @@ def choose_backend(backend: str, kv: kq.QuantizedKV, num_q_heads_per_kv: int, in
 
 def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None = None,
                      num_splits: int | None = None, num_warps: int = 1, num_stages: int = 1,
-                     slots_per_step: int = 1, step_tokens: int = 32,
+                     slots_per_step: int = 1, step_tokens: int = 32, rows_first: bool = False,
                      backend: str = "auto", interpret: bool | None = None) -> jax.Array:
   """Attention of one query token per sequence to a quantized KV cache.
 
@@ -470,6 +487,10 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
     step_tokens: tokens per unit of work, 32 (half a 64-token code slot) or 16
       (smaller register tiles).
     slots_per_step: units per loop step (1, 2 or 4): one softmax rescale per step.
+    rows_first: Triton only. Within each ``[64, D_pad]`` word tile, take the slots of
+      one band of ``step_tokens`` word rows one after another (the band is re-read once
+      per slot, and stays in L1), instead of token order (each slot re-reads both
+      halves of the tile). Not yet timed on a GPU: off by default.
     backend: "auto" (default): "mosaic" when compiling for a Hopper GPU (sm_90),
       ``decode_attention_mgpu.supports`` accepts the layout and the cache holds at
       least ``MOSAIC_MIN_TOKENS`` tokens (batch * capacity); else "triton".
@@ -502,7 +523,7 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
     return mgpu.decode_attention_mgpu(q, kv, sm_scale=sm_scale, num_splits=num_splits)
   return _decode_quant(q, kv, sm_scale=sm_scale, num_splits=num_splits, num_warps=num_warps,
                        num_stages=num_stages, slots_per_step=slots_per_step, step_tokens=step_tokens,
-                       interpret=interpret)
+                       interpret=interpret, rows_first=rows_first)
 
 
 # --- bf16 kernel ------------------------------------------------------------------------
