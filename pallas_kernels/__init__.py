@@ -36,8 +36,10 @@ attribute of that name is the function):
   Mosaic GPU kernel (``decode_attention_mgpu``) on Hopper GPUs for the layouts its
   ``supports`` accepts (keys per channel, values per token, G >= 32, at most 4
   outlier channels, at most 16 query heads per kv-head) and caches of at least
-  ``MOSAIC_MIN_TOKENS`` (batch * capacity), else the Triton kernel (which also
-  runs in interpret mode); ``"triton"`` / ``"mosaic"`` force one.
+  ``MOSAIC_MIN_TOKENS`` (batch * capacity), on a TPU the block-spec Pallas TPU
+  kernel (``decode_attention_tpu``; tested in TPU interpret mode only), else the
+  Triton kernel (which also runs in interpret mode); ``"triton"`` / ``"mosaic"`` /
+  ``"tpu"`` force one.
 * ``decode_attention_bf16(q, k [B, H, T, D], v, lengths [B]) -> [B, Hq, D]``.
 """
 

@@ -44,6 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import kv_quant as kq
+from pallas_kernels.decode_merge import combine as _combine, pad_to as _pad_to
+from pallas_kernels import _platform
 from pallas_kernels._platform import resolve_interpret
 
 NEG = -1e30
@@ -330,18 +332,6 @@ def _choose_splits(num_blocks, batch_heads, num_splits):
   return -(-num_blocks // bps), bps
 
 
-def _combine(m, l, outs):
-  """Merges split partials: m (log2 units), l [..., NS, G]; outs [..., NS, G, C] -> normalized [..., G, C]."""
-  m_tot = jnp.max(m, axis=-2, keepdims=True)
-  w = jnp.exp2(m - m_tot)
-  l_tot = jnp.sum(w * l, axis=-2)
-  inv = jnp.where(l_tot > 0, 1.0 / jnp.where(l_tot > 0, l_tot, 1.0), 0.0)
-  return [jnp.sum(w[..., None] * o, axis=-3) * inv[..., None] for o in outs]
-
-
-def _pad_to(x, shape):
-  return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape)])
-
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "num_warps", "num_stages",
                                              "slots_per_step", "step_tokens", "interpret", "rows_first"))
@@ -448,9 +438,17 @@ MOSAIC_MIN_TOKENS = 32768
 
 
 def choose_backend(backend: str, kv: kq.QuantizedKV, num_q_heads_per_kv: int, interpret: bool) -> str:
-  """Resolves ``backend`` ("auto", "triton" or "mosaic") to the kernel that runs."""
-  if backend not in ("auto", "triton", "mosaic"):
-    raise ValueError(f"backend must be 'auto', 'triton' or 'mosaic', got {backend!r}")
+  """Resolves ``backend`` ("auto", "triton", "mosaic" or "tpu") to the kernel that runs."""
+  if backend not in ("auto", "triton", "mosaic", "tpu"):
+    raise ValueError(f"backend must be 'auto', 'triton', 'mosaic' or 'tpu', got {backend!r}")
+  if backend == "auto" and not interpret and _platform.backend() == "tpu":
+    backend = "tpu"
+  if backend == "tpu":
+    from pallas_kernels import decode_attention_tpu as tpu
+    if not tpu.supports(kv.layout):
+      raise ValueError(f"the TPU decode kernel needs group_size ({kv.layout.config.group_size}) to "
+                       f"divide the {kv.layout.pack_tokens}-token tile or be a multiple of it")
+    return backend
   if backend == "triton":
     return backend
   from pallas_kernels import decode_attention_mgpu as mgpu
@@ -499,6 +497,8 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
       slots_per_step and step_tokens do not apply). On an H200 with 2-bit + 2 %
       outliers at B=8, 32k: mosaic 0.196 ms, triton 0.373 ms, bf16 XLA 0.303 ms
       (docs/benchmarks.md, 2026-12-03).
+      "tpu": ``decode_attention_tpu`` (block-spec Pallas TPU kernel; "auto" takes it
+      on a TPU; with ``interpret=True`` it runs in Pallas' TPU interpret mode).
     interpret: ``None`` = compiled on GPU (dequantization in inline PTX),
       interpreted on CPU (the same arithmetic in ``jnp``).
   Returns:
@@ -518,9 +518,13 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
     raise ValueError(f"step_tokens must be 16 or 32, got {step_tokens!r}")
   sm_scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
   interpret = resolve_interpret(interpret)
-  if choose_backend(backend, kv, hq // kv.num_heads, interpret) == "mosaic":
+  chosen = choose_backend(backend, kv, hq // kv.num_heads, interpret)
+  if chosen == "mosaic":
     from pallas_kernels import decode_attention_mgpu as mgpu
     return mgpu.decode_attention_mgpu(q, kv, sm_scale=sm_scale, num_splits=num_splits)
+  if chosen == "tpu":
+    from pallas_kernels import decode_attention_tpu as tpu
+    return tpu.decode_attention_tpu(q, kv, sm_scale=sm_scale, interpret=interpret)
   return _decode_quant(q, kv, sm_scale=sm_scale, num_splits=num_splits, num_warps=num_warps,
                        num_stages=num_stages, slots_per_step=slots_per_step, step_tokens=step_tokens,
                        interpret=interpret, rows_first=rows_first)

@@ -63,6 +63,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, vector
 
 from pallas_kernels import kv_quant as kq
+from pallas_kernels.decode_merge import merge_partials
 
 NEG = -1e30
 LOG2E = 1.4426950408889634
@@ -540,21 +541,6 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   return m[..., :g], l[..., :g], o_lo, o_out
 
 
-def fp_partial(qg, kv: kq.QuantizedKV):
-  """Sinks and window ring in plain jnp: (m, l [B, H, g], o [B, H, g, D]) in channel order."""
-  lay = kv.layout
-  cfg = lay.config
-  pos, held = kq._fp_slot_positions(lay, kv.lengths)
-  nq = lay.num_quantized(kv.lengths)
-  s_ = cfg.sink_tokens
-  valid = held & ((pos < s_) | (pos >= s_ + nq[:, None]))                        # [B, F]
-  s = jnp.einsum("bhgd,bhfd->bhgf", qg, kv.k_fp.astype(jnp.float32))
-  s = jnp.where(valid[:, None, None, :], s, NEG)
-  m = s.max(-1)
-  p = jnp.where(valid[:, None, None, :], jnp.exp2(s - m[..., None]), 0.0)
-  return m, p.sum(-1), jnp.einsum("bhgf,bhfd->bhgd", p, kv.v_fp.astype(jnp.float32))
-
-
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "phase_slots", "inflight",
                                              "outliers_in_mma", "stages", "heads_pad", "ablate"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
@@ -563,8 +549,6 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
                           ablate: frozenset = frozenset()):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first."""
-  from pallas_kernels.decode_attention import _combine, _pad_to
-  lay = kv.layout
   b, hq, d = q.shape
   h = kv.num_heads
   g = hq // h
@@ -573,21 +557,4 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
                                       inflight=inflight, outliers_in_mma=outliers_in_mma, stages=stages,
                                       heads_pad=heads_pad,
                                       ablate=ablate)
-  mf, lf, of = fp_partial(qg, kv)
-  v_lo_idx = kq.low_channel_index(kv.v_outlier_idx, d)
-  f_lo = _pad_to(jnp.take_along_axis(of, v_lo_idx[:, :, None, :], axis=3), (b, h, g, lay.d_pad))
-  parts = [jnp.concatenate([o_lo, f_lo[:, :, None]], axis=2)]
-  if lay.n_out:
-    f_out = jnp.take_along_axis(of, kv.v_outlier_idx[:, :, None, :], axis=3)
-    parts.append(jnp.concatenate([o_out, f_out[:, :, None]], axis=2))
-  m = jnp.concatenate([m, mf[:, :, None]], axis=2)
-  l = jnp.concatenate([l, lf[:, :, None]], axis=2)
-  comb = _combine(m, l, parts)
-  o = jnp.zeros((b, h, g, d), jnp.float32)
-  bi = jnp.arange(b)[:, None, None, None]
-  hi = jnp.arange(h)[None, :, None, None]
-  gi = jnp.arange(g)[None, None, :, None]
-  o = o.at[bi, hi, gi, v_lo_idx[:, :, None, :]].set(comb[0][..., :lay.d_low])
-  if lay.n_out:
-    o = o.at[bi, hi, gi, kv.v_outlier_idx[:, :, None, :]].set(comb[1])
-  return o.reshape(b, hq, d).astype(q.dtype)
+  return merge_partials(qg, kv, m, l, o_lo, o_out).reshape(b, hq, d).astype(q.dtype)

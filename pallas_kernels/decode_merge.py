@@ -1,0 +1,73 @@
+"""Merging decode-attention partials (plain jnp): the kernels' split partials over the
+quantized region, plus the sinks and window ring, into one normalized output.
+
+Partials are unnormalized and in log2 units (queries pre-scaled by
+``sm_scale * log2(e)``; ``exp2`` throughout). The quantized region's value outputs
+come in the cache's split form: ``o_lo`` over the non-outlier channels in cache
+order (padded to ``D_pad``), ``o_out`` over the outlier channels.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import kv_quant as kq
+
+NEG = -1e30
+
+
+def pad_to(x, shape):
+  return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape)])
+
+
+def combine(m, l, outs):
+  """Merges split partials: m (log2 units), l [..., NS, G]; outs [..., NS, G, C] -> normalized [..., G, C]."""
+  m_tot = jnp.max(m, axis=-2, keepdims=True)
+  w = jnp.exp2(m - m_tot)
+  l_tot = jnp.sum(w * l, axis=-2)
+  inv = jnp.where(l_tot > 0, 1.0 / jnp.where(l_tot > 0, l_tot, 1.0), 0.0)
+  return [jnp.sum(w[..., None] * o, axis=-3) * inv[..., None] for o in outs]
+
+
+def fp_partial(qg, kv: kq.QuantizedKV):
+  """Sinks and window ring: (m, l [B, H, g], o [B, H, g, D]) in channel order.
+
+  qg: ``[B, H, g, D]`` float32 queries, already scaled (log2 units)."""
+  lay = kv.layout
+  cfg = lay.config
+  pos, held = kq._fp_slot_positions(lay, kv.lengths)
+  nq = lay.num_quantized(kv.lengths)
+  s_ = cfg.sink_tokens
+  valid = held & ((pos < s_) | (pos >= s_ + nq[:, None]))                        # [B, F]
+  s = jnp.einsum("bhgd,bhfd->bhgf", qg, kv.k_fp.astype(jnp.float32))
+  s = jnp.where(valid[:, None, None, :], s, NEG)
+  m = s.max(-1)
+  p = jnp.where(valid[:, None, None, :], jnp.exp2(s - m[..., None]), 0.0)
+  return m, p.sum(-1), jnp.einsum("bhgf,bhfd->bhgd", p, kv.v_fp.astype(jnp.float32))
+
+
+def merge_partials(qg, kv: kq.QuantizedKV, m, l, o_lo, o_out) -> jax.Array:
+  """Quantized-region partials + the full-precision part -> ``[B, H, g, D]`` float32.
+
+  m, l: ``[B, H, NS, g]``; o_lo: ``[B, H, NS, g, D_pad]``; o_out: ``[B, H, NS, g, n_out]``
+  (ignored without outlier channels)."""
+  lay = kv.layout
+  b, h, g, d = qg.shape
+  mf, lf, of = fp_partial(qg, kv)
+  v_lo_idx = kq.low_channel_index(kv.v_outlier_idx, d)
+  f_lo = pad_to(jnp.take_along_axis(of, v_lo_idx[:, :, None, :], axis=3), (b, h, g, lay.d_pad))
+  parts = [jnp.concatenate([o_lo, f_lo[:, :, None]], axis=2)]
+  if lay.n_out:
+    f_out = jnp.take_along_axis(of, kv.v_outlier_idx[:, :, None, :], axis=3)
+    parts.append(jnp.concatenate([o_out, f_out[:, :, None]], axis=2))
+  m = jnp.concatenate([m, mf[:, :, None]], axis=2)
+  l = jnp.concatenate([l, lf[:, :, None]], axis=2)
+  comb = combine(m, l, parts)
+  o = jnp.zeros((b, h, g, d), jnp.float32)
+  bi = jnp.arange(b)[:, None, None, None]
+  hi = jnp.arange(h)[None, :, None, None]
+  gi = jnp.arange(g)[None, None, :, None]
+  o = o.at[bi, hi, gi, v_lo_idx[:, :, None, :]].set(comb[0][..., :lay.d_low])
+  if lay.n_out:
+    o = o.at[bi, hi, gi, kv.v_outlier_idx[:, :, None, :]].set(comb[1])
+  return o
