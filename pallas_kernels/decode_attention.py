@@ -600,6 +600,8 @@ def decode_attention_bf16(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax
 
   q: ``[B, Hq, D]``; k, v: ``[B, H, T, D]`` (bf16 or f16; read as is);
   lengths: ``int[B]`` valid positions per sequence. Returns ``[B, Hq, D]``.
+  On a TPU (compiled) this is XLA's attention (``reference.decode_attention_bf16``):
+  the kernel is a Triton one, and on an unquantized cache XLA already streams K and V.
   """
   if q.ndim != 3 or k.ndim != 4 or k.shape != v.shape:
     raise ValueError(f"need q [B, Hq, D] and k, v [B, H, T, D]; got {q.shape}, {k.shape}, {v.shape}")
@@ -614,6 +616,9 @@ def decode_attention_bf16(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax
   if block_k < 16 or block_k & (block_k - 1):
     raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
   sm_scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
+  if _platform.backend() == "tpu" and not resolve_interpret(interpret):
+    from pallas_kernels import reference
+    return reference.decode_attention_bf16(q, k, v, lengths, sm_scale=sm_scale).astype(q.dtype)
   return _decode_bf16(q, k, v, lengths, sm_scale=sm_scale, block_k=block_k, num_splits=num_splits,
                       num_warps=num_warps, num_stages=num_stages,
                       interpret=resolve_interpret(interpret))

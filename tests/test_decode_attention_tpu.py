@@ -1,6 +1,5 @@
 """The TPU-shaped decode kernel (decode_attention_tpu) in Pallas' TPU interpret mode, against
 the dequantize-then-attend reference, and the route decode_attention takes on a TPU."""
-import functools
 import importlib
 
 import jax
@@ -79,3 +78,16 @@ def test_tpu_rejects_groups_that_straddle_tiles():
   assert not dt.supports(kv.layout)
   with pytest.raises(ValueError, match="TPU decode kernel needs group_size"):
     decode_attention(jnp.zeros((1, 2, 64), jnp.bfloat16), kv, backend="tpu", interpret=True)
+
+
+def test_bf16_decode_on_a_tpu_is_the_xla_path(monkeypatch):
+  from pallas_kernels.decode_attention import decode_attention_bf16
+  platform = importlib.import_module("pallas_kernels._platform")
+  monkeypatch.setattr(platform, "backend", lambda: "tpu")
+  rng = np.random.default_rng(7)
+  q = jnp.asarray(rng.normal(size=(2, 8, 64)), jnp.bfloat16)
+  k, v = (jnp.asarray(rng.normal(size=(2, 2, 50, 64)), jnp.bfloat16) for _ in range(2))
+  lengths = jnp.array([50, 13])
+  out = decode_attention_bf16(q, k, v, lengths)          # compiled route: no Triton on a TPU
+  ref = reference.decode_attention_bf16(q, k, v, lengths)
+  assert out.dtype == q.dtype and _rel(out, ref) < 1e-2
