@@ -34,6 +34,8 @@ def main():
   ap.add_argument("--ablate", nargs="*", default=["-"])
   ap.add_argument("--inflight", type=int, nargs="*", default=[1])
   ap.add_argument("--stages", type=int, nargs="*", default=[dm.STAGES], help="TMA pipeline depths to try")
+  ap.add_argument("--interleave", type=int, nargs="*", default=[0],
+                  help="interleave_meta values to try (1: s2/z2 pairs staged side by side)")
   ap.add_argument("--heads-pad", type=int, nargs="*", default=[0],
                   help="MMA N (query heads padded) to try; 0 = the kernel's choice")
   ap.add_argument("--omma", type=int, nargs="*", default=[1],
@@ -50,12 +52,12 @@ def main():
       cfg = kq.KVQuantConfig(bits=bits, outlier_fraction=a.outliers, residual_window=32, sink_tokens=4)
       cc = kq.quantize_kv(kc, vc, cfg, max_len=1024, lengths=jnp.array([1000, 517, 3]))
       ref = reference.quantized_decode_attention(qc, cc)
-      for om in a.omma:
+      for om, il in itertools.product(a.omma, a.interleave):
         out = dm.decode_attention_mgpu(qc, cc, sm_scale=D ** -0.5, outliers_in_mma=bool(om),
-                                       stages=a.stages[0])
+                                       stages=a.stages[0], interleave_meta=bool(il))
         err = float(jnp.linalg.norm((out - ref).astype(jnp.float32))
                     / jnp.linalg.norm(ref.astype(jnp.float32)))
-        print(f"check bits={bits} outliers_in_mma={om}: rel err {err:.2e}", flush=True)
+        print(f"check bits={bits} outliers_in_mma={om} ilv={il}: rel err {err:.2e}", flush=True)
   k, v = make_kv(jax.random.key(0), a.b, a.t)
   q = jax.random.normal(jax.random.key(1), (a.b, HQ, D), jnp.bfloat16)
   c = kq.quantize_kv(k, v, kq.KVQuantConfig(bits=2, outlier_fraction=a.outliers))
@@ -63,13 +65,15 @@ def main():
   for ns in a.splits:
     for ph in a.phase:
       for fl in a.inflight:
-        for om, st, hp, ab in itertools.product(a.omma, a.stages, a.heads_pad, a.ablate):
+        for om, st, hp, il, ab in itertools.product(a.omma, a.stages, a.heads_pad, a.interleave, a.ablate):
             ab = frozenset() if ab == "-" else frozenset(ab.split(","))
-            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om, st=st, hp=hp: dm.decode_attention_mgpu(
-                q, c, sm_scale=D ** -0.5, num_splits=ns, phase_slots=ph, inflight=fl,
-                outliers_in_mma=bool(om), stages=st, heads_pad=hp or None, ablate=ab))
+            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om, st=st, hp=hp, il=il:
+                        dm.decode_attention_mgpu(
+                            q, c, sm_scale=D ** -0.5, num_splits=ns, phase_slots=ph, inflight=fl,
+                            outliers_in_mma=bool(om), stages=st, heads_pad=hp or None,
+                            interleave_meta=bool(il), ablate=ab))
             tm = timeit(f, sets)
-            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} heads_pad={hp} "
+            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} heads_pad={hp} ilv={il} "
                   f"ablate={','.join(sorted(ab)) or '-':10s} {tm * 1e3:8.3f} ms "
                   f"{c.nbytes / tm / 1e12:5.2f} TB/s", flush=True)
   if a.triton:                      # both unit orders (rows_first: the L1-friendly one)

@@ -16,7 +16,11 @@ padding on the token axis and the dequantized tiles never leave registers:
   z - s * 2**bits)`` in shared memory; the dequantization then loads, per
   thread, only the pair that scales its own rows and columns (one 32-bit load
   per two columns) and spends three instructions per two values (inline PTX on
-  the registers of the MMA operand, see ``_dequant``).
+  the registers of the MMA operand, see ``_dequant``). ``interleave_meta=True``
+  (fp8 metadata) stages s2 and z2 side by side, converted per thread in inline PTX
+  (``_stage_pairs``), so one 64-bit load replaces two 32-bit ones; it lowers
+  (tests/test_decode_attention_mgpu.py) but has NOT run on a GPU yet: off until
+  ``profile_decode_mgpu.py --check --interleave 0 1`` has checked and timed it.
 * Slots are processed in phases of ``phase_slots`` (default: the whole tile).
   Phase part 1: for each slot, keys are dequantized into the register layout
   of a ``wgmma`` A operand (``[64 tokens, D_pad]`` fp16) and multiplied by the
@@ -94,6 +98,14 @@ def is_hopper() -> bool:
   return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
+def _meta_scratch(shape, interleaved):
+  """Staged metadata: fp16 ``[2 (s2, z2), *shape]``, or (``_stage_pairs``) i32
+  ``[*shape[:-1], shape[-1] / 2, 2]``: f16x2 bits of s2 and z2 per pair of columns."""
+  if interleaved:
+    return plgpu.SMEM(shape[:-1] + (shape[-1] // 2, 2), jnp.int32)
+  return plgpu.SMEM((2,) + shape, jnp.float16)
+
+
 def _chunk(tile_tokens):
   """Tokens per TMA box of the token-minor arrays: <= 256 and dividing the tile."""
   return next(c for c in (256, 128, 64) if tile_tokens % c == 0)
@@ -143,7 +155,8 @@ def _dequant_asm(bits, slot):
           "fma.rn.f16x2 $0, t, $2, $3; }")
 
 
-def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=None):
+def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=None,
+             interleaved=False):
   """uint16 code words [M, N] (WGMMA layout) -> fp16 [M, N] (WGMMA layout), in registers.
 
   meta_ref: shared memory ``f16[2, ...]`` holding ``s2 = s * 2**bits`` (``[0]``) and
@@ -154,6 +167,9 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
   ``8 k + 2 quad (+ 1)``. Each thread loads only the metadata of its own rows (one
   32-bit shared load per pair of columns), so a group boundary between warps costs
   nothing.
+
+  interleaved: ``meta_ref`` is ``i32[..., pairs, 2]`` (``_stage_pairs``: the f16x2 bits of
+  s2 and of z2 side by side), ``meta_index`` gives the pair: one 64-bit load brings both.
 
   ``patch(mt, k, half, value_i32, patch_ref, row, quad)`` (optional) may replace the
   two fp16 values of a register (as an i32) by others read from ``patch_ref``; it
@@ -188,10 +204,14 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
       mt, k = idx[0], idx[1]
       if (mt, k) not in meta:
         ii = meta_index(mt, k, warp, quad)
-        meta[mt, k] = [vector.load(f16x2, mref, [arith.constant(index, a)] + ii) for a in (0, 1)]
-      s2, z2 = meta[mt, k]
-      r = llvm.inline_asm(i32, [mgpu_utils.bitcast(regs[idx], i32), mgpu_utils.bitcast(s2, i32),
-                                mgpu_utils.bitcast(z2, i32)], asm, "=r,r,r,r")
+        if interleaved:
+          both = vector.load(ir.VectorType.get((2,), i32), mref, ii + [arith.constant(index, 0)])
+          meta[mt, k] = [vector.extract(both, [], [a]) for a in (0, 1)]
+        else:
+          meta[mt, k] = [vector.load(f16x2, mref, [arith.constant(index, a)] + ii) for a in (0, 1)]
+      w32 = mgpu_utils.bitcast(regs[idx], i32)
+      s2, z2 = (x if interleaved else mgpu_utils.bitcast(x, i32) for x in meta[mt, k])
+      r = llvm.inline_asm(i32, [w32, s2, z2], asm, "=r,r,r,r")
       if patch is not None:
         patched = patch(idx[0], idx[1], idx[4], r, pref[0], row, quad_i32)
         r = r if patched is None else patched
@@ -224,6 +244,40 @@ def _store_transposed(x, ref):
         bits16 = arith.trunci(i16, pair if e == 0 else arith.shrui(pair, _i32(16)))
         memref.store(arith.bitcast(f16, bits16), mref, [zero, zero, _index(n), _index(col)])
   fn(x, ref)
+
+
+def _stage_pairs(s_ref, z_ref, dst_ref, *, bits):
+  """fp8 scales and zero-points (smem, contiguous, n elements) -> ``dst i32[n/2, 2]`` (any
+  shape of that size): for each pair of neighbouring elements the f16x2 bits of
+  ``s * 2**bits`` and of ``z - s * 2**bits`` (rounded once in fp16, as ``_meta_pair``),
+  side by side. Each thread converts n / 128 consecutive elements, four per step: two
+  32-bit loads, four cvt.f16x2.e4m3x2, two HMUL2, two HSUB2 and one 128-bit store."""
+  k2 = ((bits + 15) << 10) * 0x10001                 # 2**bits as two fp16
+  asm = ("{ .reg .b16 sl, sh, zl, zh; .reg .b32 s0, s1, z0, z1, k; "
+         "mov.b32 {sl, sh}, $4; mov.b32 {zl, zh}, $5; "
+         f"mov.b32 k, {k2:#010x}; "
+         "cvt.rn.f16x2.e4m3x2 s0, sl; cvt.rn.f16x2.e4m3x2 s1, sh; "
+         "cvt.rn.f16x2.e4m3x2 z0, zl; cvt.rn.f16x2.e4m3x2 z1, zh; "
+         "mul.rn.f16x2 $0, s0, k; mul.rn.f16x2 $2, s1, k; "
+         "sub.rn.f16x2 $1, z0, $0; sub.rn.f16x2 $3, z1, $2; }")
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)
+  def fn(ctx, s, z, d):
+    del ctx
+    i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+    n = int(np.prod(ir.MemRefType(s.type).shape))
+    per = n // 128
+    start = arith.muli(arith.andi(mgpu_utils.thread_idx(), _i32(127)), _i32(per))
+    sp, zp, dp_ = (mgpu_utils.memref_ptr(x) for x in (s, z, d))
+    out_ty = llvm.StructType.get_literal([i32] * 4)
+    for w in range(per // 4):
+      off = arith.addi(start, _i32(4 * w))
+      sw, zw = (llvm.load(i32, mgpu_utils.getelementptr(p, [off], i8)) for p in (sp, zp))
+      res = llvm.inline_asm(out_ty, [sw, zw], asm, "=r,=r,=r,=r,r,r")
+      vals = [llvm.extractvalue(i32, res, [e]) for e in range(4)]
+      vec = vector.from_elements(ir.VectorType.get((4,), i32), vals)
+      llvm.store(vec, mgpu_utils.getelementptr(dp_, [off], i32), alignment=16)
+  fn(s_ref, z_ref, dst_ref)
 
 
 def _i32(x):
@@ -281,6 +335,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
             o_ref, oo_ref, m_ref, l_ref,
             q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar,
             *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
+            ilv: bool = False,
             ablate: frozenset = frozenset()):
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
@@ -309,14 +364,18 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
 
   def k_meta_index(j):
     # keys: rows are tokens (slot j, warp's 16 rows: one G-token group), columns channels
-    return lambda mt, k, warp, quad: [_affine(j * SLOT, 16, warp, div=G),
-                                      _affine(8 * k, 2, quad)]
+    # (interleaved: column pairs)
+    col = (lambda k, quad: _affine(4 * k, 1, quad)) if ilv else (lambda k, quad: _affine(8 * k, 2, quad))
+    return lambda mt, k, warp, quad: [_affine(j * SLOT, 16, warp, div=G), col(k, quad)]
 
   def v_meta_index(j):
     # v^T: rows are channels (one G-channel group per warp), columns the slot's tokens
+    # (interleaved: token pairs)
     t0 = j * SLOT
+    col = ((lambda k, quad: _affine((t0 % C) // 2 + 4 * k, 1, quad)) if ilv
+           else (lambda k, quad: _affine(t0 % C + 8 * k, 2, quad)))
     return lambda mt, k, warp, quad: [_affine(64 * mt, 16, warp, div=G, cap=ng - 1),
-                                      _ix(t0 // C), _affine(t0 % C + 8 * k, 2, quad)]
+                                      _ix(t0 // C), col(k, quad)]
 
   def key_patch(j):
     """Keys (rows = slot j's tokens): columns [d_low, d_low + n_out) take the outlier
@@ -357,6 +416,9 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
     """fp8/16-bit metadata of one tile -> (s * 2**bits, z - s * 2**bits) in fp16, in smem."""
     plgpu.commit_smem()                  # every warp is done with the previous tile's copy
     for src_s, src_z, dst in ((ks, kz, kmeta_smem), (vs, vz, vmeta_smem)):
+      if ilv:
+        _stage_pairs(src_s, src_z, dst, bits=bits)
+        continue
       s2, z2 = _meta_pair(src_s[...], src_z[...], bits)
       dst[0] = s2
       dst[1] = z2
@@ -378,7 +440,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
       # --- phase 1: scores^T [64, npad] = k . q^T of every slot, MMAs issued back to back
       def qk(*acc_refs):
         for a_ref, j in zip(acc_refs, js):
-          k16 = _dequant(kw, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j),
+          k16 = _dequant(kw, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j), interleaved=ilv,
                          patch_ref=ko, patch=key_patch(j) if omma else None)
           plgpu.wgmma(a_ref, k16, plgpu.transpose_ref(q_smem, (1, 0)))
           plgpu.wgmma_wait(inflight)            # MMAs left in flight while the next slot dequantizes
@@ -418,7 +480,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
 
       def pv(acc_ref):
         for n, j in enumerate(js):
-          v16 = _dequant(vw, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j),
+          v16 = _dequant(vw, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j), interleaved=ilv,
                          patch_ref=vo, patch=value_patch(j) if omma else None)
           pb = plgpu.transpose_ref(p_smem.at[n], (1, 0)) if p_tokens_minor else p_smem.at[n]
           plgpu.wgmma(acc_ref, v16, pb)
@@ -478,7 +540,7 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
 
 def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=PHASE_SLOTS,
                        inflight=1, outliers_in_mma=True, stages=STAGES, heads_pad=None,
-                       ablate=frozenset()):
+                       interleave_meta=False, ablate=frozenset()):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -493,6 +555,9 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   ns, bps = _choose_splits(n_tiles, b * h, num_splits)
   phase = lay.cpw if phase_slots is None else max(1, min(int(phase_slots), lay.cpw))
   omma = bool(outliers_in_mma and n_out and lay.d_low + n_out <= dp)
+  kr = max(1, SLOT * lay.cpw // lay.config.group_size)
+  ilv = bool(interleave_meta and lay.config.meta_dtype == "float8_e4m3fn"
+             and (kr * dp) % 512 == 0 and (lay.n_groups_tok * SLOT * lay.cpw) % 512 == 0)
   lo_idx = kq.low_channel_index(kv.k_outlier_idx, d)
   q_lo = jnp.take_along_axis(qg, lo_idx[:, :, None, :], axis=3)
   q_out = jnp.take_along_axis(qg, kv.k_outlier_idx[:, :, None, :], axis=3)       # [B,H,g,n_out]
@@ -520,13 +585,14 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       plgpu.SMEM((nop, npad), f32),
       (plgpu.SMEM((phase, npad, SLOT), jnp.float16, transforms=_transforms(SLOT, 2)) if npad * 2 < 32
        else plgpu.SMEM((phase, SLOT, npad), jnp.float16, transforms=_transforms(npad, 2))),
-      plgpu.SMEM((2, max(1, SLOT * lay.cpw // lay.config.group_size), dp), jnp.float16),  # key s2, z2
-      plgpu.SMEM((2, lay.n_groups_tok, SLOT * lay.cpw // c, c), jnp.float16),        # value s2, z2
+      _meta_scratch((max(1, SLOT * lay.cpw // lay.config.group_size), dp), ilv),     # key s2, z2
+      _meta_scratch((lay.n_groups_tok, SLOT * lay.cpw // c, c), ilv),                 # value s2, z2
       plgpu.Barrier(num_barriers=1, num_arrivals=1 + (n_out > 0 and not omma)),
   ]
   kern = plgpu.kernel(
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
-                        stages=stages, npad=npad, ablate=ablate),
+                        stages=stages, npad=npad, ilv=ilv,
+                        ablate=ablate),
       out_type=out_types, grid=(b, h, ns), grid_names=("b", "h", "s"),
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024),
@@ -542,10 +608,11 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "phase_slots", "inflight",
-                                             "outliers_in_mma", "stages", "heads_pad", "ablate"))
+                                             "outliers_in_mma", "stages", "heads_pad",
+                                             "interleave_meta", "ablate"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
-                          heads_pad=None,
+                          heads_pad=None, interleave_meta=False,
                           ablate: frozenset = frozenset()):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first."""
@@ -555,6 +622,6 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
   qg = (q.astype(jnp.float32) * (sm_scale * LOG2E)).reshape(b, h, g, d)
   m, l, o_lo, o_out = quantized_partials(qg, kv, num_splits=num_splits, phase_slots=phase_slots,
                                       inflight=inflight, outliers_in_mma=outliers_in_mma, stages=stages,
-                                      heads_pad=heads_pad,
+                                      heads_pad=heads_pad, interleave_meta=interleave_meta,
                                       ablate=ablate)
   return merge_partials(qg, kv, m, l, o_lo, o_out).reshape(b, hq, d).astype(q.dtype)

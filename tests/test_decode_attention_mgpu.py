@@ -40,11 +40,12 @@ def test_unsupported_layout_is_a_clear_error():
     decode_attention(q, kv, backend="cuda")
 
 
-@pytest.mark.parametrize("bits,group,phase,inflight,frac,omma,stages,heads", [
-    (2, 32, 8, 1, 0.02, False, 2, 8), (2, 32, 1, 0, 0.0, False, 1, 4), (3, 32, 2, 1, 0.02, False, 1, 4),
-    (4, 64, 8, 1, 0.03, False, 2, 16), (8, 128, 8, 1, 0.0, True, 1, 4),
-    (2, 32, 8, 1, 0.02, True, 1, 12), (4, 32, 4, 1, 0.03, True, 2, 4)])
-def test_lowers_for_cuda(bits, group, phase, inflight, frac, omma, stages, heads):
+@pytest.mark.parametrize("bits,group,phase,inflight,frac,omma,stages,heads,ilv", [
+    (2, 32, 8, 1, 0.02, False, 2, 8, False), (2, 32, 1, 0, 0.0, False, 1, 4, True),
+    (3, 32, 2, 1, 0.02, False, 1, 4, False), (4, 64, 8, 1, 0.03, False, 2, 16, True),
+    (8, 128, 8, 1, 0.0, True, 1, 4, False), (2, 32, 8, 1, 0.02, True, 1, 12, False),
+    (2, 32, 8, 1, 0.02, True, 1, 4, True), (4, 32, 4, 1, 0.03, True, 2, 4, False)])
+def test_lowers_for_cuda(bits, group, phase, inflight, frac, omma, stages, heads, ilv):
   """Traces the whole kernel (layouts, metadata staging, inline PTX, pipeline) and lowers
   it for CUDA."""
   cfg = kq.KVQuantConfig(bits=bits, group_size=group, outlier_fraction=frac, residual_window=group)
@@ -52,7 +53,7 @@ def test_lowers_for_cuda(bits, group, phase, inflight, frac, omma, stages, heads
   q = jax.ShapeDtypeStruct((2, 2 * heads, 128), jnp.bfloat16)    # heads per kv-head: MMA N 8 or 16
   fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, phase_slots=phase,
                                               inflight=inflight, outliers_in_mma=omma,
-                                              stages=stages)
+                                              stages=stages, interleave_meta=ilv)
   text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
