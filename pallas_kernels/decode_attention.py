@@ -44,12 +44,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import kv_quant as kq
+from pallas_kernels.decode_merge import NEG, LOG2E, scaled_queries
 from pallas_kernels.decode_merge import combine as _combine, pad_to as _pad_to
 from pallas_kernels import _platform
 from pallas_kernels._platform import resolve_interpret
 
-NEG = -1e30
-LOG2E = 1.4426950408889634
 _FMA_OUTLIERS = 4         # up to this many outlier channels: CUDA-core updates, not a dot
 _TARGET_PROGRAMS = 1024    # ~8 per SM on an H200 (132 SMs)
 
@@ -354,7 +353,7 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
   else:
     ns, bps = _choose_splits(lay.cq // step_tokens, b * h, num_splits)
 
-  qg = (q.astype(jnp.float32) * (sm_scale * LOG2E)).reshape(b, h, g, d)
+  qg = scaled_queries(q, h, sm_scale)
   k_lo_idx = kq.low_channel_index(kv.k_outlier_idx, d)
   v_lo_idx = kq.low_channel_index(kv.v_outlier_idx, d)
   q_lo = jnp.take_along_axis(qg, k_lo_idx[:, :, None, :], axis=3)
@@ -445,9 +444,7 @@ def choose_backend(backend: str, kv: kq.QuantizedKV, num_q_heads_per_kv: int, in
     backend = "tpu"
   if backend == "tpu":
     from pallas_kernels import decode_attention_tpu as tpu
-    if not tpu.supports(kv.layout):
-      raise ValueError(f"the TPU decode kernel needs group_size ({kv.layout.config.group_size}) to "
-                       f"divide the {kv.layout.pack_tokens}-token tile or be a multiple of it")
+    tpu.check_supported(kv.layout)
     return backend
   if backend == "triton":
     return backend
@@ -570,7 +567,7 @@ def _decode_bf16(q, k, v, lengths, *, sm_scale, block_k, num_splits, num_warps, 
   df = max(16, _np2(d))
   num_blocks = -(-t // block_k)
   ns, bps = _choose_splits(num_blocks, b * h, num_splits)
-  qg = (q.astype(jnp.float32) * (sm_scale * LOG2E)).reshape(b, h, g, d)
+  qg = scaled_queries(q, h, sm_scale)
   qp = _pad_to(qg, (b, h, gp, df)).astype(jnp.bfloat16)
   kernel = functools.partial(_bf16_kernel, t=t, bk=block_k, bps=bps, gp=gp, df=df, d=d)
   full = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda bi, hi, si: (bi, hi, 0, 0))
@@ -616,9 +613,9 @@ def decode_attention_bf16(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax
   if block_k < 16 or block_k & (block_k - 1):
     raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
   sm_scale = float(1.0 / math.sqrt(d) if sm_scale is None else sm_scale)
-  if _platform.backend() == "tpu" and not resolve_interpret(interpret):
+  interpret = resolve_interpret(interpret)
+  if _platform.backend() == "tpu" and not interpret:
     from pallas_kernels import reference
     return reference.decode_attention_bf16(q, k, v, lengths, sm_scale=sm_scale).astype(q.dtype)
   return _decode_bf16(q, k, v, lengths, sm_scale=sm_scale, block_k=block_k, num_splits=num_splits,
-                      num_warps=num_warps, num_stages=num_stages,
-                      interpret=resolve_interpret(interpret))
+                      num_warps=num_warps, num_stages=num_stages, interpret=interpret)

@@ -67,10 +67,8 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, vector
 
 from pallas_kernels import kv_quant as kq
-from pallas_kernels.decode_merge import merge_partials
+from pallas_kernels.decode_merge import NEG, merge_partials, scaled_queries
 
-NEG = -1e30
-LOG2E = 1.4426950408889634
 NQ = 16                    # most query heads per kv-head (the MMAs' N: 8 up to 8 heads, else 16)
 SLOT = kq.PACK_STRIDE      # 64 tokens per code slot = M of the key MMA
 MAX_OUTLIERS = 4
@@ -96,6 +94,12 @@ def is_hopper() -> bool:
   """Whether jax's default device is a Hopper GPU (compute capability 9.x)."""
   dev = jax.devices()[0]
   return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def _p_tokens_minor(npad):
+  """Whether p^T ``[64, npad]`` fp16 has rows too short (< 32 bytes) for a wgmma swizzle, so
+  ``p`` is stored tokens-minor as ``[npad, 64]`` (``_store_transposed``)."""
+  return npad * 2 < 32
 
 
 def _meta_scratch(shape, interleaved):
@@ -349,7 +353,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
   f32 = jnp.float32
   wl = plgpu.Layout.WGMMA
   n_fma = 0 if omma else n_out                      # outlier channels done as rank-1 updates
-  p_tokens_minor = npad * 2 < 32                    # p^T rows too short to swizzle
+  p_tokens_minor = _p_tokens_minor(npad)
   lo_col, hi_col = lay.d_low, lay.d_low + n_out     # with omma: their place in the MMA padding
 
   plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, bar.at[0])
@@ -583,7 +587,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   scratch = [
       plgpu.SMEM((npad, dp), jnp.float16, transforms=_transforms(dp, 2)),
       plgpu.SMEM((nop, npad), f32),
-      (plgpu.SMEM((phase, npad, SLOT), jnp.float16, transforms=_transforms(SLOT, 2)) if npad * 2 < 32
+      (plgpu.SMEM((phase, npad, SLOT), jnp.float16, transforms=_transforms(SLOT, 2)) if _p_tokens_minor(npad)
        else plgpu.SMEM((phase, SLOT, npad), jnp.float16, transforms=_transforms(npad, 2))),
       _meta_scratch((max(1, SLOT * lay.cpw // lay.config.group_size), dp), ilv),     # key s2, z2
       _meta_scratch((lay.n_groups_tok, SLOT * lay.cpw // c, c), ilv),                 # value s2, z2
@@ -616,12 +620,9 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
                           ablate: frozenset = frozenset()):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first."""
-  b, hq, d = q.shape
-  h = kv.num_heads
-  g = hq // h
-  qg = (q.astype(jnp.float32) * (sm_scale * LOG2E)).reshape(b, h, g, d)
+  qg = scaled_queries(q, kv.num_heads, sm_scale)
   m, l, o_lo, o_out = quantized_partials(qg, kv, num_splits=num_splits, phase_slots=phase_slots,
                                       inflight=inflight, outliers_in_mma=outliers_in_mma, stages=stages,
                                       heads_pad=heads_pad, interleave_meta=interleave_meta,
                                       ablate=ablate)
-  return merge_partials(qg, kv, m, l, o_lo, o_out).reshape(b, hq, d).astype(q.dtype)
+  return merge_partials(qg, kv, m, l, o_lo, o_out).reshape(q.shape).astype(q.dtype)

@@ -29,9 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import kv_quant as kq
-from pallas_kernels.decode_merge import NEG, merge_partials, pad_to
+from pallas_kernels.decode_merge import NEG, merge_partials, pad_to, scaled_queries
 
-LOG2E = 1.4426950408889634
 SLOT = kq.PACK_STRIDE        # 64 tokens per code slot (word rows per tile)
 
 
@@ -39,6 +38,13 @@ def supports(layout: kq.KVLayout) -> bool:
   """Layouts this kernel takes: group sizes that divide a tile or are multiples of it."""
   g, tile = layout.config.group_size, layout.pack_tokens
   return tile % g == 0 or g % tile == 0
+
+
+def check_supported(layout: kq.KVLayout):
+  """Raises a clear error for a layout ``supports`` refuses."""
+  if not supports(layout):
+    raise ValueError(f"the TPU decode kernel needs group_size ({layout.config.group_size}) to "
+                     f"divide the {layout.pack_tokens}-token tile or be a multiple of it")
 
 
 def _slot_meta(x, axis, j, group, dp):
@@ -208,7 +214,8 @@ def decode_attention_tpu(q, kv: kq.QuantizedKV, *, sm_scale: float, interpret: b
   ``decode_attention(..., backend="tpu")`` (the default on a TPU)."""
   b, hq, d = q.shape
   h = kv.num_heads
-  qg = (q.astype(jnp.float32) * (sm_scale * LOG2E)).reshape(b, h, hq // h, d)
+  check_supported(kv.layout)
+  qg = scaled_queries(q, h, sm_scale)
   if kv.layout.cq == 0:                          # no quantized region: window and sinks only
     g = hq // h
     z = jnp.zeros((b, h, 1, g), jnp.float32)

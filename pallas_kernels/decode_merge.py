@@ -13,7 +13,15 @@ import jax.numpy as jnp
 
 from pallas_kernels import kv_quant as kq
 
-NEG = -1e30
+NEG = -1e30                    # "minus infinity" that keeps exp2(NEG - NEG) finite
+LOG2E = 1.4426950408889634
+
+
+def scaled_queries(q, num_kv_heads: int, sm_scale: float):
+  """q ``[B, Hq, D]`` -> float32 ``[B, H, Hq / H, D]`` scaled by ``sm_scale * log2(e)``
+  (the kernels' softmax runs in log2 units)."""
+  b, hq, d = q.shape
+  return (q.astype(jnp.float32) * (sm_scale * LOG2E)).reshape(b, num_kv_heads, hq // num_kv_heads, d)
 
 
 def pad_to(x, shape):
