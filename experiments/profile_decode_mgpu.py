@@ -40,6 +40,8 @@ def main():
                   help="MMA N (query heads padded) to try; 0 = the kernel's choice")
   ap.add_argument("--omma", type=int, nargs="*", default=[1],
                   help="outliers_in_mma values to try (0: rank-1 updates, 1: MMA padding columns)")
+  ap.add_argument("--warpgroups", type=int, nargs="*", default=[1],
+                  help="programs per CTA to try (one warpgroup each; 3 caps registers at 168)")
   ap.add_argument("--outliers", type=float, default=0.02)
   ap.add_argument("--ptxas", default=None)
   ap.add_argument("--check", action="store_true", help="first: error vs the reference (small, ragged)")
@@ -52,37 +54,56 @@ def main():
       cfg = kq.KVQuantConfig(bits=bits, outlier_fraction=a.outliers, residual_window=32, sink_tokens=4)
       cc = kq.quantize_kv(kc, vc, cfg, max_len=1024, lengths=jnp.array([1000, 517, 3]))
       ref = reference.quantized_decode_attention(qc, cc)
-      for om, il in itertools.product(a.omma, a.interleave):
-        out = dm.decode_attention_mgpu(qc, cc, sm_scale=D ** -0.5, outliers_in_mma=bool(om),
-                                       stages=a.stages[0], interleave_meta=bool(il))
+      for om, il, wg, ph in itertools.product(a.omma, a.interleave, a.warpgroups, a.phase):
+        try:
+          out = dm.decode_attention_mgpu(qc, cc, sm_scale=D ** -0.5, outliers_in_mma=bool(om),
+                                         stages=a.stages[0], interleave_meta=bool(il), warpgroups=wg,
+                                         phase_slots=ph)
+        except Exception as e:            # errors may carry a whole module: keep both ends
+          msg = str(e)
+          print(f"check warpgroups={wg} phase={ph}: {type(e).__name__}: {msg[:300]} ... {msg[-300:]}",
+                flush=True)
+          continue
         err = float(jnp.linalg.norm((out - ref).astype(jnp.float32))
                     / jnp.linalg.norm(ref.astype(jnp.float32)))
-        print(f"check bits={bits} outliers_in_mma={om} ilv={il}: rel err {err:.2e}", flush=True)
+        print(f"check bits={bits} outliers_in_mma={om} ilv={il} warpgroups={wg} phase={ph}: "
+              f"rel err {err:.2e}", flush=True)
   k, v = make_kv(jax.random.key(0), a.b, a.t)
   q = jax.random.normal(jax.random.key(1), (a.b, HQ, D), jnp.bfloat16)
   c = kq.quantize_kv(k, v, kq.KVQuantConfig(bits=2, outlier_fraction=a.outliers))
   sets = [(q, c), (q, jax.tree.map(jnp.copy, c)), (q, jax.tree.map(jnp.copy, c))]
+  big_ref = None
   for ns in a.splits:
     for ph in a.phase:
       for fl in a.inflight:
-        for om, st, hp, il, ab in itertools.product(a.omma, a.stages, a.heads_pad, a.interleave, a.ablate):
+        for om, st, hp, il, wg, ab in itertools.product(a.omma, a.stages, a.heads_pad, a.interleave,
+                                                        a.warpgroups, a.ablate):
             ab = frozenset() if ab == "-" else frozenset(ab.split(","))
-            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om, st=st, hp=hp, il=il:
+            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om, st=st, hp=hp, il=il, wg=wg:
                         dm.decode_attention_mgpu(
                             q, c, sm_scale=D ** -0.5, num_splits=ns, phase_slots=ph, inflight=fl,
                             outliers_in_mma=bool(om), stages=st, heads_pad=hp or None,
-                            interleave_meta=bool(il), ablate=ab))
-            tm = timeit(f, sets)
-            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} heads_pad={hp} ilv={il} "
+                            interleave_meta=bool(il), warpgroups=wg, ablate=ab))
+            try:
+              tm = timeit(f, sets)
+            except Exception as e:        # e.g. a variant over the shared-memory limit
+              print(f"phase={ph} wg={wg} stages={st}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+              continue
+            err = ""
+            if a.check and not ab:           # this size too (e.g. idle warpgroups in the last CTA)
+              big_ref = reference.quantized_decode_attention(q, c) if big_ref is None else big_ref
+              out = f(q, c).astype(jnp.float32)
+              err = f" rel err {float(jnp.linalg.norm(out - big_ref) / jnp.linalg.norm(big_ref)):.2e}"
+            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} heads_pad={hp} ilv={il} wg={wg} "
                   f"ablate={','.join(sorted(ab)) or '-':10s} {tm * 1e3:8.3f} ms "
-                  f"{c.nbytes / tm / 1e12:5.2f} TB/s", flush=True)
+                  f"{c.nbytes / tm / 1e12:5.2f} TB/s{err}", flush=True)
   if a.triton:                      # both unit orders (rows_first: the L1-friendly one)
     for rf in (False, True):
       tm = timeit(jax.jit(lambda q, c, rf=rf: decode_attention(q, c, backend="triton", rows_first=rf)), sets)
       print(f"B={a.b} T={a.t} triton rows_first={rf} {tm * 1e3:8.3f} ms {c.nbytes / tm / 1e12:5.2f} TB/s",
             flush=True)
   if a.ptxas:
-    for f in sorted(glob.glob(f"{a.ptxas}/*.ptxas")):
+    for f in sorted(glob.glob(f"{a.ptxas}/*.ptxas"), key=lambda f: int(re.sub(r"\D", "", f.split("/")[-1]) or 0)):
       lines = [l.strip() for l in open(f) if re.search(r"registers|spill|smem", l)]
       print(f.split("/")[-1], " | ".join(lines))
 

@@ -430,10 +430,11 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
 
 
 # "auto" takes the Mosaic GPU kernel from this many cached tokens (B * capacity) up: below,
-# a call is dominated by fixed per-launch cost, where the Triton kernel is cheaper (H200,
-# 2026-12-03, 2-bit + 2 %: B=1 4k triton 0.067 / mosaic 0.129 ms; B=1 32k 0.086 / 0.082;
-# B=8 4k 0.141 / 0.107; docs/benchmarks.md).
-MOSAIC_MIN_TOKENS = 32768
+# a call is dominated by fixed per-launch cost, where the Triton kernel is cheaper. H200,
+# 2026-12-03 (session 5 bench, one process, 2-bit + 2 %), triton / mosaic ms: B=1 4k
+# 0.079 / 0.127; B=8 4k 0.097 / 0.137; B=1 32k 0.110 / 0.115 (32k tokens: Triton);
+# B=1 128k 0.216 / 0.144 (128k tokens: Mosaic). 64k, between the two, was not timed.
+MOSAIC_MIN_TOKENS = 65536
 
 
 def choose_backend(backend: str, kv: kq.QuantizedKV, num_q_heads_per_kv: int, interpret: bool) -> str:

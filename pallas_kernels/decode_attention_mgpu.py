@@ -18,9 +18,8 @@ padding on the token axis and the dequantized tiles never leave registers:
   per two columns) and spends three instructions per two values (inline PTX on
   the registers of the MMA operand, see ``_dequant``). ``interleave_meta=True``
   (fp8 metadata) stages s2 and z2 side by side, converted per thread in inline PTX
-  (``_stage_pairs``), so one 64-bit load replaces two 32-bit ones; it lowers
-  (tests/test_decode_attention_mgpu.py) but has NOT run on a GPU yet: off until
-  ``profile_decode_mgpu.py --check --interleave 0 1`` has checked and timed it.
+  (``_stage_pairs``), so one 64-bit load replaces two 32-bit ones: correct, but no
+  faster (H200, B=8, 32k: 0.202 against 0.204 ms at phase 8), so off by default.
 * Slots are processed in phases of ``phase_slots`` (default: the whole tile).
   Phase part 1: for each slot, keys are dequantized into the register layout
   of a ``wgmma`` A operand (``[64 tokens, D_pad]`` fp16) and multiplied by the
@@ -42,6 +41,12 @@ padding on the token axis and the dequantized tiles never leave registers:
   updates on the CUDA cores, which ``outliers_in_mma=False`` keeps).
 * Sinks and the full-precision window are attended in plain ``jnp`` (a few
   dozen tokens); the partials are merged in log2 units as in the Triton kernel.
+* ``warpgroups=3`` runs three programs per CTA, one per warpgroup, each with its own
+  slice of every shared buffer and its tiles fetched by hand (``_kernel``): a CTA of
+  384 threads makes ptxas fit 168 registers per thread, the only way to get a third
+  program onto an SM. It is correct but slower (H200, B=8, 32k, phase 4: 0.240
+  against 0.199 ms; ptxas spills 300 bytes at 168 registers, against 255 without
+  spills for one program per CTA), so the default stays one.
 
 Supported (``supports(layout, num_q_heads)``): keys per channel and values per
 token (KIVI's assignment), ``D_pad`` a multiple of 64, ``group_size`` >= 32
@@ -102,12 +107,13 @@ def _p_tokens_minor(npad):
   return npad * 2 < 32
 
 
-def _meta_scratch(shape, interleaved):
+def _meta_scratch(shape, interleaved, lead=0):
   """Staged metadata: fp16 ``[2 (s2, z2), *shape]``, or (``_stage_pairs``) i32
-  ``[*shape[:-1], shape[-1] / 2, 2]``: f16x2 bits of s2 and z2 per pair of columns."""
+  ``[*shape[:-1], shape[-1] / 2, 2]``: f16x2 bits of s2 and z2 per pair of columns.
+  The first ``lead`` dims of ``shape`` stay in front (one slice per warpgroup)."""
   if interleaved:
     return plgpu.SMEM(shape[:-1] + (shape[-1] // 2, 2), jnp.int32)
-  return plgpu.SMEM((2,) + shape, jnp.float16)
+  return plgpu.SMEM(shape[:lead] + (2,) + shape[lead:], jnp.float16)
 
 
 def _chunk(tile_tokens):
@@ -336,18 +342,45 @@ def _affine(base, coef, var, div=1, cap=None):
 
 
 def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
-            o_ref, oo_ref, m_ref, l_ref,
-            q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar,
-            *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
-            ilv: bool = False,
+            o_ref, oo_ref, m_ref, l_ref, *scratch,
+            lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
+            ilv: bool = False, wgs: int = 1,
             ablate: frozenset = frozenset()):
+  """One program: b, h and split from the grid (``wgs == 1``), or ``wgs`` programs per CTA,
+  one per warpgroup, each with its own slice of every scratch buffer (``_multi_wg``)."""
+  if wgs == 1:
+    b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+    _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
+             o_ref, oo_ref, m_ref, l_ref, *scratch, lay=lay, bps=bps, phase=phase, inflight=inflight,
+             omma=omma, stages=stages, npad=npad, ilv=ilv, ablate=ablate)
+    return
+  wg = lax.axis_index("wg")
+  prog = lax.axis_index("c") * wgs + wg
+  nb, nh, ns = o_ref.shape[:3]
+  views = [r.at[wg] for r in scratch]
+
+  @pl.when(prog < nb * nh * ns)                     # the last CTA may have idle warpgroups
+  def _():
+    _program(prog // (nh * ns), (prog // ns) % nh, prog % ns, nq_ref, q_ref, qo_ref, kc_ref, ks_ref,
+             kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref, o_ref, oo_ref, m_ref, l_ref, *views[:6],
+             lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma, stages=stages, npad=npad,
+             ilv=ilv, ablate=ablate, own=views[6:])
+
+
+def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
+             o_ref, oo_ref, m_ref, l_ref,
+             q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar,
+             *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
+             ilv: bool = False, ablate: frozenset = frozenset(), own=None):
+  """``own`` (several programs per CTA): this warpgroup's tile buffers (8, as the pipeline's
+  block specs), tile barrier, output staging (o, o_out, m/l) and cross-warp reduction scratch;
+  the tiles are then fetched by hand, one in flight (as ``stages=1``)."""
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
   dp, n_out, ng = lay.d_pad, lay.n_out, lay.n_groups_tok
   P = SLOT * cpw                                    # tokens per tile
   C = _chunk(P)                                     # token-minor arrays: [n, Cq // C, C] (TMA boxes <= 256)
   kr = max(1, P // G)                               # key-metadata rows per tile
-  b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
   nq = nq_ref[b]
   tile0 = sp * bps
   f32 = jnp.float32
@@ -356,10 +389,11 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
   p_tokens_minor = _p_tokens_minor(npad)
   lo_col, hi_col = lay.d_low, lay.d_low + n_out     # with omma: their place in the MMA padding
 
-  plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, bar.at[0])
+  qbar = bar.at[0] if own is None else bar          # (one program per CTA: a one-barrier array)
+  plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, qbar)
   if n_fma:
-    plgpu.copy_gmem_to_smem(qo_ref.at[b, h], qo_smem, bar.at[0])
-  plgpu.barrier_wait(bar.at[0])
+    plgpu.copy_gmem_to_smem(qo_ref.at[b, h], qo_smem, qbar)
+  plgpu.barrier_wait(qbar)
   q_out = [_ld(qo_smem, (o,), COL) for o in range(n_fma)]              # [npad] f32 each
 
   rows = plgpu.broadcasted_iota(jnp.int32, (SLOT, npad), 0, layout=wl)
@@ -459,7 +493,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
 
       # --- one online-softmax update for the phase: a single cross-warp max
       s_max = functools.reduce(jnp.maximum, ss)
-      m_new = m if "max" in ablate else jnp.maximum(m, s_max.max(axis=0))
+      m_new = m if "max" in ablate else jnp.maximum(m, rows_max(s_max))
       corr = jnp.exp2(m - m_new)
       m = m_new
       l_rows = l_rows * bcol(corr, l_rows.shape)
@@ -502,6 +536,12 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
       plgpu.BlockSpec((ng, P // C, C), lambda i: (0, tile0 + i, 0)),                           # v zero
       plgpu.BlockSpec((max(n_out, 1), P // C, C), lambda i: (0, tile0 + i, 0)),                # v outliers
   ]
+  if own is None:
+    rows_max, rows_sum = (lambda x: x.max(axis=0)), (lambda x: x.sum(axis=0))
+  else:          # the module's reduction scratch is shared by all warpgroups: use our own
+    red = own[-1]
+    rows_max, rows_sum = (lambda x: _reduce_rows("max", x, red)), (lambda x: _reduce_rows("add", x, red))
+
   zeros_sq = lambda: plgpu.layout_cast(jnp.zeros((SLOT, npad), f32), wl)
   init = (
       _col(jnp.full((npad,), NEG, f32)),
@@ -510,17 +550,38 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
       [zeros_sq() for _ in range(n_fma)],
   )
   at = lambda r: r.at[b, h]
-  m, l_rows, acc, acc_vo = plgpu.emit_pipeline(
-      body, grid=(bps,), in_specs=specs, max_concurrent_steps=stages, init_carry=init,
-  )(at(kc_ref), at(ks_ref), at(kz_ref), at(ko_ref), at(vc_ref), at(vs_ref), at(vz_ref), at(vo_ref))
+  srcs = (at(kc_ref), at(ks_ref), at(kz_ref), at(ko_ref), at(vc_ref), at(vs_ref), at(vz_ref), at(vo_ref))
+  if own is None:
+    m, l_rows, acc, acc_vo = plgpu.emit_pipeline(
+        body, grid=(bps,), in_specs=specs, max_concurrent_steps=stages, init_carry=init)(*srcs)
+  else:
+    bufs, tile_bar = own[:8], own[8]
 
-  # output staging reuses the pipeline's shared memory (allocated only after it)
+    def fetch(i):
+      for spec, src, buf in zip(specs, srcs, bufs):
+        blk = spec.index_map(i)
+        idx = tuple(pl.ds(k * n, n) for k, n in zip(blk, spec.block_shape))
+        plgpu.copy_gmem_to_smem(src.at[idx], buf, tile_bar)
+
+    fetch(0)
+
+    def step(i, carry):
+      plgpu.barrier_wait(tile_bar)
+      carry = body((i,), *bufs, carry)
+      plgpu.commit_smem()                  # every warp is done with this tile's buffers
+
+      @pl.when(i + 1 < bps)
+      def _():
+        fetch(i + 1)
+      return carry
+    m, l_rows, acc, acc_vo = lax.fori_loop(0, bps, step, init)
+
   def store(o_smem, oo_smem, ml_smem):
     o_smem[...] = acc
     for o in range(n_fma):
-      oo_smem[o] = acc_vo[o].sum(axis=0)
+      oo_smem[o] = rows_sum(acc_vo[o])
     ml_smem[0] = m
-    ml_smem[1] = l_rows.sum(axis=0)
+    ml_smem[1] = rows_sum(l_rows)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, sp])
     if n_fma:
@@ -528,8 +589,24 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
     plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[b, h, sp])
     plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[b, h, sp])
     plgpu.wait_smem_to_gmem(0)
-  nop = oo_ref.shape[3]
-  pl.run_scoped(store, plgpu.SMEM((dp, npad), f32), plgpu.SMEM((nop, npad), f32), plgpu.SMEM((2, npad), f32))
+  if own is None:       # output staging reuses the pipeline's shared memory (allocated after it)
+    nop = oo_ref.shape[3]
+    pl.run_scoped(store, plgpu.SMEM((dp, npad), f32), plgpu.SMEM((nop, npad), f32),
+                  plgpu.SMEM((2, npad), f32))
+  else:
+    store(*own[9:12])
+
+
+def _reduce_rows(op, x, scratch):
+  """x [64, N] f32 (WGMMA layout) reduced over its rows (across the warpgroup's 4 warps) with
+  ``scratch`` (this warpgroup's own shared memory) -> [N] (COL layout)."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                     return_type=plgpu.ShapeDtypeStruct((x.shape[1],), jnp.float32, COL))
+  def fn(ctx, xa, ref):
+    del ctx
+    mgpu_utils.warpgroup_barrier()           # the last reduction's readers are done with scratch
+    return xa.reduce(op, 0, scratch=ref)
+  return fn(x, scratch)
 
 
 def _choose_splits(n_tiles, batch_heads, num_splits):
@@ -544,7 +621,7 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
 
 def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=PHASE_SLOTS,
                        inflight=1, outliers_in_mma=True, stages=STAGES, heads_pad=None,
-                       interleave_meta=False, ablate=frozenset()):
+                       interleave_meta=False, warpgroups=1, ablate=frozenset()):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -584,25 +661,42 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       jax.ShapeDtypeStruct((b, h, ns, npad), f32),
       jax.ShapeDtypeStruct((b, h, ns, npad), f32),
   )
+  wgs = int(warpgroups)
+  lead = () if wgs == 1 else (wgs,)                # several programs per CTA: one slice each
+  smem = lambda shape, dtype, **kw: plgpu.SMEM(lead + tuple(shape), dtype, **kw)
   scratch = [
-      plgpu.SMEM((npad, dp), jnp.float16, transforms=_transforms(dp, 2)),
-      plgpu.SMEM((nop, npad), f32),
-      (plgpu.SMEM((phase, npad, SLOT), jnp.float16, transforms=_transforms(SLOT, 2)) if _p_tokens_minor(npad)
-       else plgpu.SMEM((phase, SLOT, npad), jnp.float16, transforms=_transforms(npad, 2))),
-      _meta_scratch((max(1, SLOT * lay.cpw // lay.config.group_size), dp), ilv),     # key s2, z2
-      _meta_scratch((lay.n_groups_tok, SLOT * lay.cpw // c, c), ilv),                 # value s2, z2
-      plgpu.Barrier(num_barriers=1, num_arrivals=1 + (n_out > 0 and not omma)),
+      smem((npad, dp), jnp.float16, transforms=_transforms(dp, 2)),
+      smem((nop, npad), f32),
+      (smem((phase, npad, SLOT), jnp.float16, transforms=_transforms(SLOT, 2)) if _p_tokens_minor(npad)
+       else smem((phase, SLOT, npad), jnp.float16, transforms=_transforms(npad, 2))),
+      _meta_scratch(lead + (kr, dp), ilv, len(lead)),                                  # key s2, z2
+      _meta_scratch(lead + (lay.n_groups_tok, SLOT * lay.cpw // c, c), ilv, len(lead)),  # value s2, z2
+      plgpu.Barrier(num_barriers=wgs, num_arrivals=1 + (n_out > 0 and not omma)),
   ]
+  args = (nq, q_lo, q_out.astype(f32), kv.k_codes, kv.k_scale, kv.k_zero, tm(ko),
+          kv.v_codes, tm(kv.v_scale), tm(kv.v_zero), tm(vo))
+  if wgs > 1:                    # this warpgroup's tile buffers (as the block specs), barrier, staging
+    tile = SLOT * lay.cpw
+    blocks = [((SLOT, dp), _transforms(dp, 2)), ((kr, dp), ()), ((kr, dp), ()),
+              ((ko.shape[2], tile // c, c), ()), ((SLOT, dp), _transforms(dp, 2)),
+              ((lay.n_groups_tok, tile // c, c), ()), ((lay.n_groups_tok, tile // c, c), ()),
+              ((vo.shape[2], tile // c, c), ())]
+    scratch += [smem(shape, x.dtype, transforms=tr) for (shape, tr), x in zip(blocks, args[3:])]
+    scratch += [plgpu.Barrier(num_barriers=wgs, num_arrivals=len(blocks)),
+                smem((dp, npad), f32), smem((nop, npad), f32), smem((2, npad), f32),
+                smem((256,), f32)]                          # cross-warp reductions
+    n_cta = -(-(b * h * ns) // wgs)
+    grid = dict(grid=(n_cta,), grid_names=("c",), num_threads=wgs, thread_name="wg")
+  else:
+    grid = dict(grid=(b, h, ns), grid_names=("b", "h", "s"))
   kern = plgpu.kernel(
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
-                        stages=stages, npad=npad, ilv=ilv,
+                        stages=stages, npad=npad, ilv=ilv, wgs=wgs,
                         ablate=ablate),
-      out_type=out_types, grid=(b, h, ns), grid_names=("b", "h", "s"),
-      scratch_types=scratch,
-      compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024),
+      out_type=out_types, scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024), **grid,
   )
-  o_lo, o_out, m, l = kern(nq, q_lo, q_out.astype(f32), kv.k_codes, kv.k_scale, kv.k_zero, tm(ko),
-                           kv.v_codes, tm(kv.v_scale), tm(kv.v_zero), tm(vo))
+  o_lo, o_out, m, l = kern(*args)
   o_lo = jnp.swapaxes(o_lo, 3, 4)[:, :, :, :g]
   if omma:
     o_out = o_lo[..., lay.d_low:lay.d_low + n_out]
@@ -613,10 +707,10 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "phase_slots", "inflight",
                                              "outliers_in_mma", "stages", "heads_pad",
-                                             "interleave_meta", "ablate"))
+                                             "interleave_meta", "warpgroups", "ablate"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
-                          heads_pad=None, interleave_meta=False,
+                          heads_pad=None, interleave_meta=False, warpgroups=1,
                           ablate: frozenset = frozenset()):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first."""
@@ -624,5 +718,5 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
   m, l, o_lo, o_out = quantized_partials(qg, kv, num_splits=num_splits, phase_slots=phase_slots,
                                       inflight=inflight, outliers_in_mma=outliers_in_mma, stages=stages,
                                       heads_pad=heads_pad, interleave_meta=interleave_meta,
-                                      ablate=ablate)
+                                      warpgroups=warpgroups, ablate=ablate)
   return merge_partials(qg, kv, m, l, o_lo, o_out).reshape(q.shape).astype(q.dtype)
