@@ -347,7 +347,8 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
             ilv: bool = False, wgs: int = 1,
             ablate: frozenset = frozenset()):
   """One program: b, h and split from the grid (``wgs == 1``), or ``wgs`` programs per CTA,
-  one per warpgroup, each with its own slice of every scratch buffer (``_multi_wg``)."""
+  one per warpgroup, each with its own slice (``.at[wg]``) of every scratch buffer: the six
+  every program has, then its own tile buffers, barrier and staging (``quantized_partials``)."""
   if wgs == 1:
     b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
@@ -358,13 +359,14 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
   prog = lax.axis_index("c") * wgs + wg
   nb, nh, ns = o_ref.shape[:3]
   views = [r.at[wg] for r in scratch]
+  common, own = views[:6], views[6:]
 
   @pl.when(prog < nb * nh * ns)                     # the last CTA may have idle warpgroups
   def _():
     _program(prog // (nh * ns), (prog // ns) % nh, prog % ns, nq_ref, q_ref, qo_ref, kc_ref, ks_ref,
-             kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref, o_ref, oo_ref, m_ref, l_ref, *views[:6],
+             kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref, o_ref, oo_ref, m_ref, l_ref, *common,
              lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma, stages=stages, npad=npad,
-             ilv=ilv, ablate=ablate, own=views[6:])
+             ilv=ilv, ablate=ablate, own=own)
 
 
 def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
