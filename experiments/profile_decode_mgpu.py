@@ -11,8 +11,11 @@ Usage (device): PYTHONPATH=. python3 experiments/profile_decode_mgpu.py --b 8 --
   PYTHONPATH=. python3 experiments/profile_decode_mgpu.py --check --triton --heads-pad 8 16 --stages 1 2
 """
 import argparse
+import collections
 import glob
 import itertools
+import json
+import os
 import re
 
 import jax
@@ -44,6 +47,8 @@ def main():
                   help="programs per CTA to try (one warpgroup each; 3 caps registers at 168)")
   ap.add_argument("--outliers", type=float, default=0.02)
   ap.add_argument("--ptxas", default=None)
+  ap.add_argument("--trace", default=None,
+                  help="folder: one call with Mosaic's on-device profiler, then time per region")
   ap.add_argument("--check", action="store_true", help="first: error vs the reference (small, ragged)")
   ap.add_argument("--triton", action="store_true", help="also time the Triton kernel (both unit orders)")
   a = ap.parse_args()
@@ -97,6 +102,12 @@ def main():
             print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} heads_pad={hp} ilv={il} wg={wg} "
                   f"ablate={','.join(sorted(ab)) or '-':10s} {tm * 1e3:8.3f} ms "
                   f"{c.nbytes / tm / 1e12:5.2f} TB/s{err}", flush=True)
+  if a.trace:
+    os.makedirs(a.trace, exist_ok=True)
+    f = jax.jit(lambda q, c: dm.decode_attention_mgpu(q, c, sm_scale=D ** -0.5, profile_dir=a.trace))
+    for _ in range(2):                # the second call's trace is read (the first one compiles)
+      jax.block_until_ready(f(q, c))
+    summarize_trace(max(glob.glob(f"{a.trace}/*trace.json"), key=os.path.getmtime))
   if a.triton:                      # both unit orders (rows_first: the L1-friendly one)
     for rf in (False, True):
       tm = timeit(jax.jit(lambda q, c, rf=rf: decode_attention(q, c, backend="triton", rows_first=rf)), sets)
@@ -106,6 +117,36 @@ def main():
     for f in sorted(glob.glob(f"{a.ptxas}/*.ptxas"), key=lambda f: int(re.sub(r"\D", "", f.split("/")[-1]) or 0)):
       lines = [l.strip() for l in open(f) if re.search(r"registers|spill|smem", l)]
       print(f.split("/")[-1], " | ".join(lines))
+
+
+def summarize_trace(path):
+  """Per region: mean time per program (warp 0 of each warpgroup) and its share of the
+  program's span (first region entered to last one left); the rest is time outside the
+  regions (waiting for tiles, pipeline bookkeeping). Mosaic's trace adds SM clock cycles
+  to a nanosecond start time and divides by 1e3: within a program the unit is 1000 cycles
+  (about 0.5 us at the H200's 1.98 GHz); the kernel span mixes both."""
+  events = json.load(open(path))["traceEvents"]
+  per_prog, open_at, span = collections.defaultdict(lambda: collections.defaultdict(float)), {}, {}
+  for e in events:
+    key = (e["tid"], e["name"])
+    if e["ph"] == "B":
+      open_at[key] = e["ts"]
+    else:
+      per_prog[e["tid"]][e["name"]] += e["ts"] - open_at.pop(key)
+    lo, hi = span.get(e["tid"], (e["ts"], e["ts"]))
+    span[e["tid"]] = (min(lo, e["ts"]), max(hi, e["ts"]))
+  n = len(per_prog)
+  total = sum(hi - lo for lo, hi in span.values()) / n
+  t0 = min(lo for lo, _ in span.values())
+  t1 = max(hi for _, hi in span.values())
+  print(f"trace {os.path.basename(path)}: {n} programs, kernel span ~{t1 - t0:.1f}, "
+        f"mean program span {total:.2f} kcycles", flush=True)
+  names = sorted({k for d in per_prog.values() for k in d})
+  for name in names:
+    mean = sum(d.get(name, 0.0) for d in per_prog.values()) / n
+    print(f"  {name:8s} {mean:8.2f} kcycles per program  {100 * mean / total:5.1f} %", flush=True)
+  inside = sum(sum(d.values()) for d in per_prog.values()) / n
+  print(f"  {'(other)':8s} {total - inside:8.2f} kcycles per program  {100 * (total - inside) / total:5.1f} %")
 
 
 if __name__ == "__main__":

@@ -471,61 +471,65 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
     (i,) = idx
     m, l_rows, acc, acc_vo = carry
     tbase = (tile0 + i) * P
-    stage_meta(ks, kz, vs, vz)
+    with jax.named_scope("meta"):     # a region in profile traces
+      stage_meta(ks, kz, vs, vz)
     for j0 in range(0, cpw, phase):
       js = range(j0, min(j0 + phase, cpw))
-      # the code words hold every slot of the tile: one shared-memory read per phase
-      kw = plgpu.load(kc, (), layout=wl)                                     # [64, dp] u16
+      with jax.named_scope("qk"):     # a region in profile traces
+        # the code words hold every slot of the tile: one shared-memory read per phase
+        kw = plgpu.load(kc, (), layout=wl)                                     # [64, dp] u16
 
-      # --- phase 1: scores^T [64, npad] = k . q^T of every slot, MMAs issued back to back
-      def qk(*acc_refs):
-        for a_ref, j in zip(acc_refs, js):
-          k16 = _dequant(kw, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j), interleaved=ilv,
-                         patch_ref=ko, patch=key_patch(j) if omma else None)
-          plgpu.wgmma(a_ref, k16, plgpu.transpose_ref(q_smem, (1, 0)))
-          plgpu.wgmma_wait(inflight)            # MMAs left in flight while the next slot dequantizes
-        return [a_ref[...] for a_ref in acc_refs]
-      ss = pl.run_scoped(qk, *[plgpu.ACC((SLOT, npad), f32) for _ in js])
-      ss = list(ss)
-      for n, j in enumerate(js):
-        s = ss[n]
-        for o in range(0 if "out" in ablate else n_fma):
-          s = s + brow(_ld(ko, (o,) + tok_idx(j), ROW), s.shape) * bcol(q_out[o], s.shape)
-        ss[n] = jnp.where(tbase + j * SLOT + rows < nq, s, NEG)
-
-      # --- one online-softmax update for the phase: a single cross-warp max
-      s_max = functools.reduce(jnp.maximum, ss)
-      m_new = m if "max" in ablate else jnp.maximum(m, rows_max(s_max))
-      corr = jnp.exp2(m - m_new)
-      m = m_new
-      l_rows = l_rows * bcol(corr, l_rows.shape)
-      acc = acc * bcol(corr, acc.shape)
-      acc_vo = [a * bcol(corr, a.shape) for a in acc_vo]
-      for n, j in enumerate(js):
-        p = jnp.exp2(ss[n] - bcol(m_new, ss[n].shape))
-        l_rows = l_rows + p                    # summed over rows once, at the end
-        if "out" not in ablate:
-          acc_vo = [a + brow(_ld(vo, (o,) + tok_idx(j), ROW), p.shape) * p
-                    for o, a in enumerate(acc_vo)]
-        if p_tokens_minor:                     # [npad, 64]: 16-byte rows of p^T cannot be swizzled
-          _store_transposed(p.astype(jnp.float16), p_smem.at[n])
-        else:
-          p_smem[n] = p.astype(jnp.float16)
-      plgpu.commit_smem()
-
-      # --- phase 2: out^T [dp, npad] += v^T . p^T, v^T dequantized in the A-operand layout
-      vw = plgpu.layout_cast(
-          plgpu.load(plgpu.transpose_ref(vc, (1, 0)), (), layout=plgpu.Layout.WGMMA_TRANSPOSED),
-          wl)                                                                  # [dp, 64] u16
-
-      def pv(acc_ref):
+        # --- phase 1: scores^T [64, npad] = k . q^T of every slot, MMAs issued back to back
+        def qk(*acc_refs):
+          for a_ref, j in zip(acc_refs, js):
+            k16 = _dequant(kw, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j), interleaved=ilv,
+                           patch_ref=ko, patch=key_patch(j) if omma else None)
+            plgpu.wgmma(a_ref, k16, plgpu.transpose_ref(q_smem, (1, 0)))
+            plgpu.wgmma_wait(inflight)            # MMAs left in flight while the next slot dequantizes
+          return [a_ref[...] for a_ref in acc_refs]
+        ss = pl.run_scoped(qk, *[plgpu.ACC((SLOT, npad), f32) for _ in js])
+        ss = list(ss)
         for n, j in enumerate(js):
-          v16 = _dequant(vw, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j), interleaved=ilv,
-                         patch_ref=vo, patch=value_patch(j) if omma else None)
-          pb = plgpu.transpose_ref(p_smem.at[n], (1, 0)) if p_tokens_minor else p_smem.at[n]
-          plgpu.wgmma(acc_ref, v16, pb)
-          plgpu.wgmma_wait(inflight)
-      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+          s = ss[n]
+          for o in range(0 if "out" in ablate else n_fma):
+            s = s + brow(_ld(ko, (o,) + tok_idx(j), ROW), s.shape) * bcol(q_out[o], s.shape)
+          ss[n] = jnp.where(tbase + j * SLOT + rows < nq, s, NEG)
+
+      with jax.named_scope("softmax"):     # a region in profile traces
+        # --- one online-softmax update for the phase: a single cross-warp max
+        s_max = functools.reduce(jnp.maximum, ss)
+        m_new = m if "max" in ablate else jnp.maximum(m, rows_max(s_max))
+        corr = jnp.exp2(m - m_new)
+        m = m_new
+        l_rows = l_rows * bcol(corr, l_rows.shape)
+        acc = acc * bcol(corr, acc.shape)
+        acc_vo = [a * bcol(corr, a.shape) for a in acc_vo]
+        for n, j in enumerate(js):
+          p = jnp.exp2(ss[n] - bcol(m_new, ss[n].shape))
+          l_rows = l_rows + p                    # summed over rows once, at the end
+          if "out" not in ablate:
+            acc_vo = [a + brow(_ld(vo, (o,) + tok_idx(j), ROW), p.shape) * p
+                      for o, a in enumerate(acc_vo)]
+          if p_tokens_minor:                     # [npad, 64]: 16-byte rows of p^T cannot be swizzled
+            _store_transposed(p.astype(jnp.float16), p_smem.at[n])
+          else:
+            p_smem[n] = p.astype(jnp.float16)
+        plgpu.commit_smem()
+
+      with jax.named_scope("pv"):     # a region in profile traces
+        # --- phase 2: out^T [dp, npad] += v^T . p^T, v^T dequantized in the A-operand layout
+        vw = plgpu.layout_cast(
+            plgpu.load(plgpu.transpose_ref(vc, (1, 0)), (), layout=plgpu.Layout.WGMMA_TRANSPOSED),
+            wl)                                                                  # [dp, 64] u16
+
+        def pv(acc_ref):
+          for n, j in enumerate(js):
+            v16 = _dequant(vw, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j), interleaved=ilv,
+                           patch_ref=vo, patch=value_patch(j) if omma else None)
+            pb = plgpu.transpose_ref(p_smem.at[n], (1, 0)) if p_tokens_minor else p_smem.at[n]
+            plgpu.wgmma(acc_ref, v16, pb)
+            plgpu.wgmma_wait(inflight)
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
     return m, l_rows, acc, acc_vo
 
   specs = [
@@ -591,12 +595,13 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
     plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[b, h, sp])
     plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[b, h, sp])
     plgpu.wait_smem_to_gmem(0)
-  if own is None:       # output staging reuses the pipeline's shared memory (allocated after it)
-    nop = oo_ref.shape[3]
-    pl.run_scoped(store, plgpu.SMEM((dp, npad), f32), plgpu.SMEM((nop, npad), f32),
-                  plgpu.SMEM((2, npad), f32))
-  else:
-    store(*own[9:12])
+  with jax.named_scope("store"):
+    if own is None:       # output staging reuses the pipeline's shared memory (allocated after it)
+      nop = oo_ref.shape[3]
+      pl.run_scoped(store, plgpu.SMEM((dp, npad), f32), plgpu.SMEM((nop, npad), f32),
+                    plgpu.SMEM((2, npad), f32))
+    else:
+      store(*own[9:12])
 
 
 def _reduce_rows(op, x, scratch):
@@ -623,7 +628,7 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
 
 def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=PHASE_SLOTS,
                        inflight=1, outliers_in_mma=True, stages=STAGES, heads_pad=None,
-                       interleave_meta=False, warpgroups=1, ablate=frozenset()):
+                       interleave_meta=False, warpgroups=1, profile_dir="", ablate=frozenset()):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -691,12 +696,16 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
     grid = dict(grid=(n_cta,), grid_names=("c",), num_threads=wgs, thread_name="wg")
   else:
     grid = dict(grid=(b, h, ns), grid_names=("b", "h", "s"))
+  # profile_dir: Mosaic's on-device profiler writes one trace per call there (regions "meta",
+  # "qk", "softmax", "pv", "store" of every program, timed by warp 0 of each warpgroup)
+  n_ranges = bps * (1 + 3 * -(-lay.cpw // phase)) + 8
+  prof = dict(profile_space=2 * n_ranges, profile_dir=profile_dir) if profile_dir else {}
   kern = plgpu.kernel(
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
                         stages=stages, npad=npad, ilv=ilv, wgs=wgs,
                         ablate=ablate),
       out_type=out_types, scratch_types=scratch,
-      compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024), **grid,
+      compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024, **prof), **grid,
   )
   o_lo, o_out, m, l = kern(*args)
   o_lo = jnp.swapaxes(o_lo, 3, 4)[:, :, :, :g]
@@ -709,10 +718,10 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "phase_slots", "inflight",
                                              "outliers_in_mma", "stages", "heads_pad",
-                                             "interleave_meta", "warpgroups", "ablate"))
+                                             "interleave_meta", "warpgroups", "profile_dir", "ablate"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
-                          heads_pad=None, interleave_meta=False, warpgroups=1,
+                          heads_pad=None, interleave_meta=False, warpgroups=1, profile_dir="",
                           ablate: frozenset = frozenset()):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first."""
@@ -720,5 +729,5 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
   m, l, o_lo, o_out = quantized_partials(qg, kv, num_splits=num_splits, phase_slots=phase_slots,
                                       inflight=inflight, outliers_in_mma=outliers_in_mma, stages=stages,
                                       heads_pad=heads_pad, interleave_meta=interleave_meta,
-                                      warpgroups=warpgroups, ablate=ablate)
+                                      warpgroups=warpgroups, profile_dir=profile_dir, ablate=ablate)
   return merge_partials(qg, kv, m, l, o_lo, o_out).reshape(q.shape).astype(q.dtype)
