@@ -344,16 +344,20 @@ def _affine(base, coef, var, div=1, cap=None):
 def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
             o_ref, oo_ref, m_ref, l_ref, *scratch,
             lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
-            ilv: bool = False, wgs: int = 1,
+            ilv: bool = False, wgs: int = 1, split: bool = False,
             ablate: frozenset = frozenset()):
   """One program: b, h and split from the grid (``wgs == 1``), or ``wgs`` programs per CTA,
   one per warpgroup, each with its own slice (``.at[wg]``) of every scratch buffer: the six
   every program has, then its own tile buffers, barrier and staging (``quantized_partials``)."""
   if wgs == 1:
     b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+    common, own = list(scratch[:6]), None
+    if split:                      # one-barrier arrays -> barriers, as the .at[wg] views below
+      own = list(scratch[6:])
+      common[5], own[8], own[9] = common[5].at[0], own[8].at[0], own[9].at[0]
     _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
-             o_ref, oo_ref, m_ref, l_ref, *scratch, lay=lay, bps=bps, phase=phase, inflight=inflight,
-             omma=omma, stages=stages, npad=npad, ilv=ilv, ablate=ablate)
+             o_ref, oo_ref, m_ref, l_ref, *common, lay=lay, bps=bps, phase=phase, inflight=inflight,
+             omma=omma, stages=stages, npad=npad, ilv=ilv, ablate=ablate, own=own, own_reduce=False)
     return
   wg = lax.axis_index("wg")
   prog = lax.axis_index("c") * wgs + wg
@@ -373,10 +377,12 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
              o_ref, oo_ref, m_ref, l_ref,
              q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar,
              *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
-             ilv: bool = False, ablate: frozenset = frozenset(), own=None):
-  """``own`` (several programs per CTA): this warpgroup's tile buffers (8, as the pipeline's
-  block specs), tile barrier, output staging (o, o_out, m/l) and cross-warp reduction scratch;
-  the tiles are then fetched by hand, one in flight (as ``stages=1``)."""
+             ilv: bool = False, ablate: frozenset = frozenset(), own=None, own_reduce=True):
+  """``own`` (``split_fetch`` or several programs per CTA): this program's tile buffers (8, as
+  the pipeline's block specs), key and value tile barriers, output staging (o, o_out, m/l)
+  and cross-warp reduction scratch (used if ``own_reduce``). The tiles are then fetched by
+  hand, one tile in flight in two halves: the next tile's keys as soon as this tile's key
+  buffers are read (after the score MMAs), its values after the output MMAs."""
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
   dp, n_out, ng = lay.d_pad, lay.n_out, lay.n_groups_tok
@@ -391,7 +397,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
   p_tokens_minor = _p_tokens_minor(npad)
   lo_col, hi_col = lay.d_low, lay.d_low + n_out     # with omma: their place in the MMA padding
 
-  qbar = bar.at[0] if own is None else bar          # (one program per CTA: a one-barrier array)
+  qbar = bar.at[0] if own is None else bar          # (own: already one barrier)
   plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, qbar)
   if n_fma:
     plgpu.copy_gmem_to_smem(qo_ref.at[b, h], qo_smem, qbar)
@@ -452,10 +458,11 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
       return _select_halves(pred, lo, pred, hi, r)
     return patch
 
-  def stage_meta(ks, kz, vs, vz):
-    """fp8/16-bit metadata of one tile -> (s * 2**bits, z - s * 2**bits) in fp16, in smem."""
+  def stage_meta(*pairs):
+    """fp8/16-bit metadata of one tile -> (s * 2**bits, z - s * 2**bits) in fp16, in smem;
+    pairs: (scales, zeros, destination) of keys and/or values."""
     plgpu.commit_smem()                  # every warp is done with the previous tile's copy
-    for src_s, src_z, dst in ((ks, kz, kmeta_smem), (vs, vz, vmeta_smem)):
+    for src_s, src_z, dst in pairs:
       if ilv:
         _stage_pairs(src_s, src_z, dst, bits=bits)
         continue
@@ -467,12 +474,18 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
   def tok_idx(j):                                   # token-minor index of slot j's 64 tokens
     return (j * SLOT // C, pl.ds(j * SLOT % C, SLOT))
 
-  def body(idx, kc, ks, kz, ko, vc, vs, vz, vo, carry):
+  def body(idx, kc, ks, kz, ko, vc, vs, vz, vo, carry, hooks=None):
+    """One tile. hooks (tiles fetched by hand in halves): ``keys_done()`` once the key buffers
+    are read (the next tile's keys may come), ``values_ready()`` before the value buffers
+    are first read (waits for them); the value metadata is then staged there."""
     (i,) = idx
     m, l_rows, acc, acc_vo = carry
     tbase = (tile0 + i) * P
     with jax.named_scope("meta"):     # a region in profile traces
-      stage_meta(ks, kz, vs, vz)
+      if hooks is None:
+        stage_meta((ks, kz, kmeta_smem), (vs, vz, vmeta_smem))
+      else:
+        stage_meta((ks, kz, kmeta_smem))
     for j0 in range(0, cpw, phase):
       js = range(j0, min(j0 + phase, cpw))
       with jax.named_scope("qk"):     # a region in profile traces
@@ -494,6 +507,12 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
           for o in range(0 if "out" in ablate else n_fma):
             s = s + brow(_ld(ko, (o,) + tok_idx(j), ROW), s.shape) * bcol(q_out[o], s.shape)
           ss[n] = jnp.where(tbase + j * SLOT + rows < nq, s, NEG)
+      if hooks is not None and j0 + phase >= cpw:
+        hooks.keys_done()
+      if hooks is not None and j0 == 0:
+        with jax.named_scope("vwait"):
+          hooks.values_ready()
+          stage_meta((vs, vz, vmeta_smem))
 
       with jax.named_scope("softmax"):     # a region in profile traces
         # --- one online-softmax update for the phase: a single cross-warp max
@@ -542,7 +561,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
       plgpu.BlockSpec((ng, P // C, C), lambda i: (0, tile0 + i, 0)),                           # v zero
       plgpu.BlockSpec((max(n_out, 1), P // C, C), lambda i: (0, tile0 + i, 0)),                # v outliers
   ]
-  if own is None:
+  if own is None or not own_reduce:
     rows_max, rows_sum = (lambda x: x.max(axis=0)), (lambda x: x.sum(axis=0))
   else:          # the module's reduction scratch is shared by all warpgroups: use our own
     red = own[-1]
@@ -561,24 +580,38 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
     m, l_rows, acc, acc_vo = plgpu.emit_pipeline(
         body, grid=(bps,), in_specs=specs, max_concurrent_steps=stages, init_carry=init)(*srcs)
   else:
-    bufs, tile_bar = own[:8], own[8]
+    bufs, kbar, vbar = own[:8], own[8], own[9]
 
-    def fetch(i):
-      for spec, src, buf in zip(specs, srcs, bufs):
+    def fetch(i, half):                  # half 0: key codes, metadata, outliers; 1: values
+      for spec, src, buf in list(zip(specs, srcs, bufs))[4 * half:4 * half + 4]:
         blk = spec.index_map(i)
         idx = tuple(pl.ds(k * n, n) for k, n in zip(blk, spec.block_shape))
-        plgpu.copy_gmem_to_smem(src.at[idx], buf, tile_bar)
+        plgpu.copy_gmem_to_smem(src.at[idx], buf, (kbar, vbar)[half])
 
-    fetch(0)
-
-    def step(i, carry):
-      plgpu.barrier_wait(tile_bar)
-      carry = body((i,), *bufs, carry)
-      plgpu.commit_smem()                  # every warp is done with this tile's buffers
+    def fetch_next(i, half):
+      plgpu.commit_smem()                # every warp is done with these buffers
 
       @pl.when(i + 1 < bps)
       def _():
-        fetch(i + 1)
+        fetch(i + 1, half)
+
+    class Hooks:
+      def __init__(self, i):
+        self.i = i
+
+      def keys_done(self):
+        fetch_next(self.i, 0)
+
+      def values_ready(self):
+        plgpu.barrier_wait(vbar)
+
+    fetch(0, 0)
+    fetch(0, 1)
+
+    def step(i, carry):
+      plgpu.barrier_wait(kbar)
+      carry = body((i,), *bufs, carry, hooks=Hooks(i))
+      fetch_next(i, 1)
       return carry
     m, l_rows, acc, acc_vo = lax.fori_loop(0, bps, step, init)
 
@@ -601,7 +634,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
       pl.run_scoped(store, plgpu.SMEM((dp, npad), f32), plgpu.SMEM((nop, npad), f32),
                     plgpu.SMEM((2, npad), f32))
     else:
-      store(*own[9:12])
+      store(*own[10:13])
 
 
 def _reduce_rows(op, x, scratch):
@@ -628,7 +661,8 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
 
 def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=PHASE_SLOTS,
                        inflight=1, outliers_in_mma=True, stages=STAGES, heads_pad=None,
-                       interleave_meta=False, warpgroups=1, profile_dir="", ablate=frozenset()):
+                       interleave_meta=False, warpgroups=1, split_fetch=False, profile_dir="",
+                       ablate=frozenset()):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -682,16 +716,17 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   ]
   args = (nq, q_lo, q_out.astype(f32), kv.k_codes, kv.k_scale, kv.k_zero, tm(ko),
           kv.v_codes, tm(kv.v_scale), tm(kv.v_zero), tm(vo))
-  if wgs > 1:                    # this warpgroup's tile buffers (as the block specs), barrier, staging
+  if wgs > 1 or split_fetch:     # this program's tile buffers (as the block specs), barriers, staging
     tile = SLOT * lay.cpw
     blocks = [((SLOT, dp), _transforms(dp, 2)), ((kr, dp), ()), ((kr, dp), ()),
               ((ko.shape[2], tile // c, c), ()), ((SLOT, dp), _transforms(dp, 2)),
               ((lay.n_groups_tok, tile // c, c), ()), ((lay.n_groups_tok, tile // c, c), ()),
               ((vo.shape[2], tile // c, c), ())]
     scratch += [smem(shape, x.dtype, transforms=tr) for (shape, tr), x in zip(blocks, args[3:])]
-    scratch += [plgpu.Barrier(num_barriers=wgs, num_arrivals=len(blocks)),
+    scratch += [plgpu.Barrier(num_barriers=wgs, num_arrivals=4), plgpu.Barrier(num_barriers=wgs, num_arrivals=4),
                 smem((dp, npad), f32), smem((nop, npad), f32), smem((2, npad), f32),
                 smem((256,), f32)]                          # cross-warp reductions
+  if wgs > 1:
     n_cta = -(-(b * h * ns) // wgs)
     grid = dict(grid=(n_cta,), grid_names=("c",), num_threads=wgs, thread_name="wg")
   else:
@@ -702,7 +737,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   prof = dict(profile_space=2 * n_ranges, profile_dir=profile_dir) if profile_dir else {}
   kern = plgpu.kernel(
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
-                        stages=stages, npad=npad, ilv=ilv, wgs=wgs,
+                        stages=stages, npad=npad, ilv=ilv, wgs=wgs, split=bool(split_fetch),
                         ablate=ablate),
       out_type=out_types, scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024, **prof), **grid,
@@ -718,10 +753,12 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "phase_slots", "inflight",
                                              "outliers_in_mma", "stages", "heads_pad",
-                                             "interleave_meta", "warpgroups", "profile_dir", "ablate"))
+                                             "interleave_meta", "warpgroups", "split_fetch", "profile_dir",
+                                             "ablate"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
-                          heads_pad=None, interleave_meta=False, warpgroups=1, profile_dir="",
+                          heads_pad=None, interleave_meta=False, warpgroups=1, split_fetch=False,
+                          profile_dir="",
                           ablate: frozenset = frozenset()):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first."""
@@ -729,5 +766,6 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
   m, l, o_lo, o_out = quantized_partials(qg, kv, num_splits=num_splits, phase_slots=phase_slots,
                                       inflight=inflight, outliers_in_mma=outliers_in_mma, stages=stages,
                                       heads_pad=heads_pad, interleave_meta=interleave_meta,
-                                      warpgroups=warpgroups, profile_dir=profile_dir, ablate=ablate)
+                                      warpgroups=warpgroups, split_fetch=split_fetch, profile_dir=profile_dir,
+                                      ablate=ablate)
   return merge_partials(qg, kv, m, l, o_lo, o_out).reshape(q.shape).astype(q.dtype)

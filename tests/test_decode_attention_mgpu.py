@@ -40,22 +40,24 @@ def test_unsupported_layout_is_a_clear_error():
     decode_attention(q, kv, backend="cuda")
 
 
-@pytest.mark.parametrize("bits,group,phase,inflight,frac,omma,stages,heads,ilv,wgs", [
-    (2, 32, 8, 1, 0.02, False, 2, 8, False, 1), (2, 32, 1, 0, 0.0, False, 1, 4, True, 1),
-    (3, 32, 2, 1, 0.02, False, 1, 4, False, 3), (4, 64, 8, 1, 0.03, False, 2, 16, True, 1),
-    (8, 128, 8, 1, 0.0, True, 1, 4, False, 1), (2, 32, 8, 1, 0.02, True, 1, 12, False, 2),
-    (2, 32, 8, 1, 0.02, True, 1, 4, True, 1), (4, 32, 4, 1, 0.03, True, 2, 4, False, 1),
-    (2, 32, 4, 1, 0.02, True, 1, 4, False, 3)])
-def test_lowers_for_cuda(bits, group, phase, inflight, frac, omma, stages, heads, ilv, wgs):
-  """Traces the whole kernel (layouts, metadata staging, inline PTX, pipeline or, with
-  several warpgroups per CTA, the hand-written tile fetches) and lowers it for CUDA.
-  32 programs over 3 warpgroups per CTA leave the last CTA one idle warpgroup."""
+@pytest.mark.parametrize("bits,group,phase,inflight,frac,omma,stages,heads,ilv,wgs,split", [
+    (2, 32, 8, 1, 0.02, False, 2, 8, False, 1, False), (2, 32, 1, 0, 0.0, False, 1, 4, True, 1, True),
+    (3, 32, 2, 1, 0.02, False, 1, 4, False, 3, False), (4, 64, 8, 1, 0.03, False, 2, 16, True, 1, False),
+    (8, 128, 8, 1, 0.0, True, 1, 4, False, 1, False), (2, 32, 8, 1, 0.02, True, 1, 12, False, 2, False),
+    (2, 32, 8, 1, 0.02, True, 1, 4, True, 1, False), (4, 32, 4, 1, 0.03, True, 2, 4, False, 1, False),
+    (2, 32, 4, 1, 0.02, True, 1, 4, False, 3, False), (2, 32, 8, 1, 0.02, True, 1, 4, False, 1, True),
+    (3, 32, 2, 1, 0.02, False, 1, 4, False, 1, True)])
+def test_lowers_for_cuda(bits, group, phase, inflight, frac, omma, stages, heads, ilv, wgs, split):
+  """Traces the whole kernel (layouts, metadata staging, inline PTX, pipeline or the
+  hand-written tile fetches of ``split_fetch`` and several warpgroups per CTA) and lowers it
+  for CUDA. 32 programs over 3 warpgroups per CTA leave the last CTA one idle warpgroup."""
   cfg = kq.KVQuantConfig(bits=bits, group_size=group, outlier_fraction=frac, residual_window=group)
   kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 2, 2, 128, 4096))
   q = jax.ShapeDtypeStruct((2, 2 * heads, 128), jnp.bfloat16)    # heads per kv-head: MMA N 8 or 16
   fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, phase_slots=phase,
                                               inflight=inflight, outliers_in_mma=omma,
-                                              stages=stages, interleave_meta=ilv, warpgroups=wgs)
+                                              stages=stages, interleave_meta=ilv, warpgroups=wgs,
+                                              split_fetch=split)
   text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
