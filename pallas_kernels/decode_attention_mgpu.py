@@ -4,14 +4,17 @@ The same function as ``decode_attention.decode_attention`` (one query token per
 sequence against a ``QuantizedKV``), laid out so that the tensor cores see no
 padding on the token axis and the dequantized tiles never leave registers:
 
-* One warpgroup (128 threads) per program ``(b, h, split)``. A TMA pipeline
-  (``plgpu.emit_pipeline``, ``stages`` deep, default 1) brings one ``[64, D_pad]`` tile of
-  uint16 code words per step for keys and for values (``cpw`` slots of 64
+* One warpgroup (128 threads) per program ``(b, h, split)``. TMA brings one ``[64, D_pad]``
+  tile of uint16 code words per step for keys and for values (``cpw`` slots of 64
   consecutive tokens each: 512 tokens at 2 bits), with the tile's scales,
-  zero-points and outlier values. One stage keeps a program at 86 KB of shared
-  memory, so two programs share an SM and one computes while the other waits for
-  its tile (two stages: 133 KB, one program per SM, 0.294 against 0.238 ms on an
-  H200 at B=8, 32k).
+  zero-points and outlier values, one tile in flight: 83 KB of shared memory, so two
+  programs share an SM and one computes while the other waits (two tiles in flight:
+  133 KB, one program per SM, 0.294 against 0.238 ms on an H200 at B=8, 32k). With
+  ``split_fetch`` (default) the tiles are fetched by hand in two halves: the next tile's
+  keys as soon as the score MMAs have read this tile's, its values after the output
+  MMAs, so a program waits less for its own tiles (on-device profile, B=8, 32k: time
+  outside the compute regions 22.5 -> 19.3 % of a program). Without it,
+  ``plgpu.emit_pipeline`` (``stages`` deep) fetches whole tiles.
 * Once per tile the fp8 metadata is turned into fp16 ``(s * 2**bits,
   z - s * 2**bits)`` in shared memory; the dequantization then loads, per
   thread, only the pair that scales its own rows and columns (one 32-bit load
@@ -82,6 +85,8 @@ _TARGET_PROGRAMS = 1024
 STAGES = 1               # TMA pipeline depth (tiles in flight per program; see below)
 PHASE_SLOTS = 8          # 64-token slots per softmax update, capped at cpw (H200, B=8, 32k, 2-bit:
                          # 8 -> 0.311 ms, 4 -> 0.320, 2 -> 0.338, 1 -> 0.419)
+SPLIT_FETCH = True       # tiles fetched by hand in key and value halves, each as soon as its
+                         # buffers are free (H200: B=8 32k 0.199 -> 0.194 ms, B=1 128k 0.144 -> 0.140)
 
 
 def supports(layout: kq.KVLayout, num_q_heads_per_kv: int) -> bool:
@@ -661,7 +666,7 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
 
 def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=PHASE_SLOTS,
                        inflight=1, outliers_in_mma=True, stages=STAGES, heads_pad=None,
-                       interleave_meta=False, warpgroups=1, split_fetch=False, profile_dir="",
+                       interleave_meta=False, warpgroups=1, split_fetch=SPLIT_FETCH, profile_dir="",
                        ablate=frozenset()):
   """Kernel partials over the quantized region.
 
@@ -757,7 +762,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                                              "ablate"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
-                          heads_pad=None, interleave_meta=False, warpgroups=1, split_fetch=False,
+                          heads_pad=None, interleave_meta=False, warpgroups=1, split_fetch=SPLIT_FETCH,
                           profile_dir="",
                           ablate: frozenset = frozenset()):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
