@@ -4,11 +4,14 @@ Each ablation leaves one stage out (wrong results, timing only): "out" the outli
 updates, "max" the running max (a cross-warp reduction per softmax update).
 ``--phase`` lists slots per softmax update (64-token slots; 8 = one update per
 512-token tile at 2 bits). With MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=DIR the
-compiler's resource reports land in DIR; ``--ptxas DIR`` prints their register and
-spill lines.
+compiler's resource reports land in DIR (create DIR first: otherwise every dump goes to
+stdout); ``--ptxas DIR`` prints their register and spill lines. ``--trace DIR`` runs one
+call under Mosaic's on-device profiler and prints the time per kernel region.
 Usage (device): PYTHONPATH=. python3 experiments/profile_decode_mgpu.py --b 8 --t 32768 \
   --phase 8 4 2 --ablate - out out,max
-  PYTHONPATH=. python3 experiments/profile_decode_mgpu.py --check --triton --heads-pad 8 16 --stages 1 2
+  PYTHONPATH=. python3 experiments/profile_decode_mgpu.py --check --triton --heads-pad 8 16
+  PYTHONPATH=. python3 experiments/profile_decode_mgpu.py --check --split 0 1 --trace /tmp/tr
+  (--stages 2 needs --split 0: two tiles in flight only through the whole-tile pipeline)
 """
 import argparse
 import collections

@@ -708,6 +708,10 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       jax.ShapeDtypeStruct((b, h, ns, npad), f32),
   )
   wgs = int(warpgroups)
+  if stages != 1 and (split_fetch or wgs > 1):
+    raise ValueError(f"stages={stages} needs the whole-tile pipeline: split_fetch=False and "
+                     f"warpgroups=1 (got split_fetch={split_fetch}, warpgroups={warpgroups}); "
+                     "the hand-written fetch keeps one tile in flight")
   lead = () if wgs == 1 else (wgs,)                # several programs per CTA: one slice each
   smem = lambda shape, dtype, **kw: plgpu.SMEM(lead + tuple(shape), dtype, **kw)
   scratch = [

@@ -87,3 +87,11 @@ def test_mosaic_has_no_interpret_mode():
 
 def test_is_hopper_is_false_on_cpu():
   assert jax.default_backend() != "cpu" or not dm.is_hopper()
+
+
+def test_stages_need_the_whole_tile_pipeline():
+  cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=0.02)
+  kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 1, 2, 128, 4096))
+  q = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="split_fetch=False"):
+    jax.jit(lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=0.1, stages=2)).trace(q, kv)
