@@ -7,7 +7,7 @@ padding on the token axis and the dequantized tiles never leave registers:
 * One warpgroup (128 threads) per program ``(b, h, split)``. TMA brings one ``[64, D_pad]``
   tile of uint16 code words per step for keys and for values (``cpw`` slots of 64
   consecutive tokens each: 512 tokens at 2 bits), with the tile's scales,
-  zero-points and outlier values, one tile in flight: 83 KB of shared memory, so two
+  zero-points and outlier values, one tile in flight: 82 KB of shared memory, so two
   programs share an SM and one computes while the other waits (two tiles in flight:
   133 KB, one program per SM, 0.294 against 0.238 ms on an H200 at B=8, 32k). With
   ``split_fetch`` (default) the tiles are fetched by hand in two halves: the next tile's
@@ -62,6 +62,7 @@ against the reference on the GPU.
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -346,6 +347,22 @@ def _affine(base, coef, var, div=1, cap=None):
   return v if cap is None else arith.minui(v, _ix(cap))
 
 
+class _Own(NamedTuple):
+  """A program's own shared buffers when its tiles are fetched by hand (``split_fetch`` or
+  several programs per CTA; allocated in ``quantized_partials``, in this order)."""
+  tiles: tuple              # 8 tile buffers, as the block specs: k codes, scale, zero, outliers; v ...
+  kbar: Any                 # key-half and value-half tile barriers
+  vbar: Any
+  o: Any                    # output staging: o^T [D_pad, N], o_out [nop, N], (m, l) [2, N]
+  oo: Any
+  ml: Any
+  red: Any = None           # cross-warp reduction scratch (several programs per CTA), else None
+
+  @classmethod
+  def of(cls, refs):
+    return cls(tuple(refs[:8]), *refs[8:])
+
+
 def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
             o_ref, oo_ref, m_ref, l_ref, *scratch,
             lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
@@ -353,22 +370,23 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
             ablate: frozenset = frozenset()):
   """One program: b, h and split from the grid (``wgs == 1``), or ``wgs`` programs per CTA,
   one per warpgroup, each with its own slice (``.at[wg]``) of every scratch buffer: the six
-  every program has, then its own tile buffers, barrier and staging (``quantized_partials``)."""
+  every program has, then (``_Own``) its tile buffers, barriers and staging."""
   if wgs == 1:
     b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     common, own = list(scratch[:6]), None
     if split:                      # one-barrier arrays -> barriers, as the .at[wg] views below
-      own = list(scratch[6:])
-      common[5], own[8], own[9] = common[5].at[0], own[8].at[0], own[9].at[0]
+      common[5] = common[5].at[0]
+      own = _Own.of(scratch[6:])
+      own = own._replace(kbar=own.kbar.at[0], vbar=own.vbar.at[0])
     _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
              o_ref, oo_ref, m_ref, l_ref, *common, lay=lay, bps=bps, phase=phase, inflight=inflight,
-             omma=omma, stages=stages, npad=npad, ilv=ilv, ablate=ablate, own=own, own_reduce=False)
+             omma=omma, stages=stages, npad=npad, ilv=ilv, ablate=ablate, own=own)
     return
   wg = lax.axis_index("wg")
   prog = lax.axis_index("c") * wgs + wg
   nb, nh, ns = o_ref.shape[:3]
   views = [r.at[wg] for r in scratch]
-  common, own = views[:6], views[6:]
+  common, own = views[:6], _Own.of(views[6:])
 
   @pl.when(prog < nb * nh * ns)                     # the last CTA may have idle warpgroups
   def _():
@@ -382,12 +400,10 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
              o_ref, oo_ref, m_ref, l_ref,
              q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar,
              *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
-             ilv: bool = False, ablate: frozenset = frozenset(), own=None, own_reduce=True):
-  """``own`` (``split_fetch`` or several programs per CTA): this program's tile buffers (8, as
-  the pipeline's block specs), key and value tile barriers, output staging (o, o_out, m/l)
-  and cross-warp reduction scratch (used if ``own_reduce``). The tiles are then fetched by
-  hand, one tile in flight in two halves: the next tile's keys as soon as this tile's key
-  buffers are read (after the score MMAs), its values after the output MMAs."""
+             ilv: bool = False, ablate: frozenset = frozenset(), own: _Own | None = None):
+  """With ``own`` the tiles are fetched by hand, one tile in flight in two halves: the next
+  tile's keys as soon as this tile's key buffers are read (after the score MMAs), its values
+  after the output MMAs. Without, ``plgpu.emit_pipeline`` fetches whole tiles."""
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
   dp, n_out, ng = lay.d_pad, lay.n_out, lay.n_groups_tok
@@ -566,11 +582,11 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
       plgpu.BlockSpec((ng, P // C, C), lambda i: (0, tile0 + i, 0)),                           # v zero
       plgpu.BlockSpec((max(n_out, 1), P // C, C), lambda i: (0, tile0 + i, 0)),                # v outliers
   ]
-  if own is None or not own_reduce:
+  if own is None or own.red is None:
     rows_max, rows_sum = (lambda x: x.max(axis=0)), (lambda x: x.sum(axis=0))
   else:          # the module's reduction scratch is shared by all warpgroups: use our own
-    red = own[-1]
-    rows_max, rows_sum = (lambda x: _reduce_rows("max", x, red)), (lambda x: _reduce_rows("add", x, red))
+    rows_max = lambda x: _reduce_rows("max", x, own.red)
+    rows_sum = lambda x: _reduce_rows("add", x, own.red)
 
   zeros_sq = lambda: plgpu.layout_cast(jnp.zeros((SLOT, npad), f32), wl)
   init = (
@@ -585,7 +601,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
     m, l_rows, acc, acc_vo = plgpu.emit_pipeline(
         body, grid=(bps,), in_specs=specs, max_concurrent_steps=stages, init_carry=init)(*srcs)
   else:
-    bufs, kbar, vbar = own[:8], own[8], own[9]
+    bufs, kbar, vbar = own.tiles, own.kbar, own.vbar
 
     def fetch(i, half):                  # half 0: key codes, metadata, outliers; 1: values
       for spec, src, buf in list(zip(specs, srcs, bufs))[4 * half:4 * half + 4]:
@@ -639,7 +655,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
       pl.run_scoped(store, plgpu.SMEM((dp, npad), f32), plgpu.SMEM((nop, npad), f32),
                     plgpu.SMEM((2, npad), f32))
     else:
-      store(*own[10:13])
+      store(own.o, own.oo, own.ml)
 
 
 def _reduce_rows(op, x, scratch):
@@ -708,6 +724,8 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       jax.ShapeDtypeStruct((b, h, ns, npad), f32),
   )
   wgs = int(warpgroups)
+  if wgs < 1:
+    raise ValueError(f"warpgroups (programs per CTA) must be >= 1, got {warpgroups}")
   if stages != 1 and (split_fetch or wgs > 1):
     raise ValueError(f"stages={stages} needs the whole-tile pipeline: split_fetch=False and "
                      f"warpgroups=1 (got split_fetch={split_fetch}, warpgroups={warpgroups}); "
@@ -725,7 +743,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   ]
   args = (nq, q_lo, q_out.astype(f32), kv.k_codes, kv.k_scale, kv.k_zero, tm(ko),
           kv.v_codes, tm(kv.v_scale), tm(kv.v_zero), tm(vo))
-  if wgs > 1 or split_fetch:     # this program's tile buffers (as the block specs), barriers, staging
+  if wgs > 1 or split_fetch:     # this program's _Own buffers: tiles (as the block specs), barriers, staging
     tile = SLOT * lay.cpw
     blocks = [((SLOT, dp), _transforms(dp, 2)), ((kr, dp), ()), ((kr, dp), ()),
               ((ko.shape[2], tile // c, c), ()), ((SLOT, dp), _transforms(dp, 2)),
@@ -733,8 +751,9 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
               ((vo.shape[2], tile // c, c), ())]
     scratch += [smem(shape, x.dtype, transforms=tr) for (shape, tr), x in zip(blocks, args[3:])]
     scratch += [plgpu.Barrier(num_barriers=wgs, num_arrivals=4), plgpu.Barrier(num_barriers=wgs, num_arrivals=4),
-                smem((dp, npad), f32), smem((nop, npad), f32), smem((2, npad), f32),
-                smem((256,), f32)]                          # cross-warp reductions
+                smem((dp, npad), f32), smem((nop, npad), f32), smem((2, npad), f32)]
+    if wgs > 1:
+      scratch.append(smem((256,), f32))                     # cross-warp reductions
   if wgs > 1:
     n_cta = -(-(b * h * ns) // wgs)
     grid = dict(grid=(n_cta,), grid_names=("c",), num_threads=wgs, thread_name="wg")

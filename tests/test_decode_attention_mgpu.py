@@ -95,3 +95,11 @@ def test_stages_need_the_whole_tile_pipeline():
   q = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="split_fetch=False"):
     jax.jit(lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=0.1, stages=2)).trace(q, kv)
+
+
+def test_warpgroups_must_be_positive():
+  cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=0.02)
+  kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 1, 2, 128, 4096))
+  q = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="warpgroups"):
+    jax.jit(lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=0.1, warpgroups=0)).trace(q, kv)
