@@ -86,6 +86,9 @@ _TARGET_PROGRAMS = 1024
 STAGES = 1               # TMA pipeline depth (tiles in flight per program; see below)
 PHASE_SLOTS = 8          # 64-token slots per softmax update, capped at cpw (H200, B=8, 32k, 2-bit:
                          # 8 -> 0.311 ms, 4 -> 0.320, 2 -> 0.338, 1 -> 0.419)
+STAGED_OUTLIERS = True   # outliers_in_mma: each tile's outlier values staged once as fp16, so a patched
+                         # MMA register costs a shared load and a select (was ~13 instructions)
+_N_COMMON = 8            # scratch buffers every program has (before its _Own ones)
 SPLIT_FETCH = True       # tiles fetched by hand in key and value halves, each as soon as its
                          # buffers are free (H200: B=8 32k 0.199 -> 0.194 ms, B=1 128k 0.144 -> 0.140)
 
@@ -296,6 +299,29 @@ def _stage_pairs(s_ref, z_ref, dst_ref, *, bits):
   fn(s_ref, z_ref, dst_ref)
 
 
+def _stage_outliers(src_ref, dst_ref, *, tokens_major, base=0):
+  """A tile's 16-bit outlier values ``src [n, T // C, C]`` (bf16, token-minor) -> fp16 in
+  ``dst``, once per tile, so that patching an MMA register costs one 32-bit shared load and
+  one select. ``tokens_major``: ``dst [T, W]`` with outlier ``o`` of token ``t`` at
+  ``[t, base + o]`` (keys: a thread's two neighbouring channels are then adjacent); else
+  ``dst [n, T // C, C]`` as ``src`` (values: a thread's two neighbouring tokens are). Each
+  thread converts every 128th token, all ``n`` outliers of it."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+  def fn(ctx, src, dst):
+    del ctx
+    n, nc, c = ir.MemRefType(src.type).shape
+    t_all = nc * c
+    f16, f32 = ir.F16Type.get(), ir.F32Type.get()
+    tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
+    for i in range(-(-t_all // 128)):
+      t = arith.minui(arith.addi(tid, _i32(128 * i)), _i32(t_all - 1))   # repeats write alike
+      ti = [_index(arith.divui(t, _i32(c))), _index(arith.remui(t, _i32(c)))]
+      for o in range(n):
+        x = arith.truncf(f16, arith.extf(f32, memref.load(src, [_ix(o)] + ti)))
+        memref.store(x, dst, [_index(t), _ix(base + o)] if tokens_major else [_ix(o)] + ti)
+  fn(src_ref, dst_ref)
+
+
 def _i32(x):
   return arith.constant(ir.IntegerType.get_signless(32), x)
 
@@ -366,41 +392,43 @@ class _Own(NamedTuple):
 def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
             o_ref, oo_ref, m_ref, l_ref, *scratch,
             lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
-            ilv: bool = False, wgs: int = 1, split: bool = False,
+            ilv: bool = False, wgs: int = 1, split: bool = False, staged: bool = False,
             ablate: frozenset = frozenset()):
   """One program: b, h and split from the grid (``wgs == 1``), or ``wgs`` programs per CTA,
-  one per warpgroup, each with its own slice (``.at[wg]``) of every scratch buffer: the six
-  every program has, then (``_Own``) its tile buffers, barriers and staging."""
+  one per warpgroup, each with its own slice (``.at[wg]``) of every scratch buffer: the
+  ``_N_COMMON`` every program has, then (``_Own``) its tile buffers, barriers and staging."""
   if wgs == 1:
     b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
-    common, own = list(scratch[:6]), None
+    common, own = list(scratch[:_N_COMMON]), None
     if split:                      # one-barrier arrays -> barriers, as the .at[wg] views below
       common[5] = common[5].at[0]
-      own = _Own.of(scratch[6:])
+      own = _Own.of(scratch[_N_COMMON:])
       own = own._replace(kbar=own.kbar.at[0], vbar=own.vbar.at[0])
     _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
              o_ref, oo_ref, m_ref, l_ref, *common, lay=lay, bps=bps, phase=phase, inflight=inflight,
-             omma=omma, stages=stages, npad=npad, ilv=ilv, ablate=ablate, own=own)
+             omma=omma, stages=stages, npad=npad, ilv=ilv, staged=staged, ablate=ablate,
+             own=own)
     return
   wg = lax.axis_index("wg")
   prog = lax.axis_index("c") * wgs + wg
   nb, nh, ns = o_ref.shape[:3]
   views = [r.at[wg] for r in scratch]
-  common, own = views[:6], _Own.of(views[6:])
+  common, own = views[:_N_COMMON], _Own.of(views[_N_COMMON:])
 
   @pl.when(prog < nb * nh * ns)                     # the last CTA may have idle warpgroups
   def _():
     _program(prog // (nh * ns), (prog // ns) % nh, prog % ns, nq_ref, q_ref, qo_ref, kc_ref, ks_ref,
              kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref, o_ref, oo_ref, m_ref, l_ref, *common,
              lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma, stages=stages, npad=npad,
-             ilv=ilv, ablate=ablate, own=own)
+             ilv=ilv, staged=staged, ablate=ablate, own=own)
 
 
 def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
              o_ref, oo_ref, m_ref, l_ref,
-             q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar,
+             q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar, kout_smem, vout_smem,
              *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
-             ilv: bool = False, ablate: frozenset = frozenset(), own: _Own | None = None):
+             ilv: bool = False, staged: bool = False, ablate: frozenset = frozenset(),
+             own: _Own | None = None):
   """With ``own`` the tiles are fetched by hand, one tile in flight in two halves: the next
   tile's keys as soon as this tile's key buffers are read (after the score MMAs), its values
   after the output MMAs. Without, ``plgpu.emit_pipeline`` fetches whole tiles."""
@@ -444,10 +472,31 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
     return lambda mt, k, warp, quad: [_affine(64 * mt, 16, warp, div=G, cap=ng - 1),
                                       _ix(t0 // C), col(k, quad)]
 
+  k_lo = lo_col // 8                                # first 8-column block holding outliers
+
   def key_patch(j):
     """Keys (rows = slot j's tokens): columns [d_low, d_low + n_out) take the outlier
-    channels' 16-bit values, so the MMA adds their share of the scores."""
+    channels' 16-bit values, so the MMA adds their share of the scores. ``staged``: read as
+    fp16 pairs from ``kout_smem [T, W]`` and merged by a per-thread bit mask (one lop3)."""
+    def patch_staged(mt, k, half, r, kout_ref, row, quad):
+      if not (8 * k < hi_col and 8 * k + 8 > lo_col):
+        return None
+      t = arith.addi(row, _i32(j * SLOT + 8 * half))                  # token in the tile
+      col = arith.addi(_i32(8 * (k - k_lo)), arith.muli(quad, _i32(2)))
+      f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+      pair = mgpu_utils.bitcast(vector.load(f16x2, kout_ref, [_index(t), _index(col)]),
+                                ir.IntegerType.get_signless(32))
+      mask = _i32(0)
+      for e in (0, 1):                                 # the halves that are outlier channels
+        pred, _ = _in_range(arith.addi(arith.addi(_i32(8 * k), arith.muli(quad, _i32(2))), _i32(e)),
+                            lo_col, hi_col)
+        mask = arith.ori(mask, arith.select(pred, _i32(0xFFFF << (16 * e)), _i32(0)))
+      return llvm.inline_asm(ir.IntegerType.get_signless(32), [r, pair, mask],
+                             "lop3.b32 $0, $1, $2, $3, 0xd8;", "=r,r,r,r")    # mask ? pair : r
+
     def patch(mt, k, half, r, ko_ref, row, quad):
+      if staged:
+        return patch_staged(mt, k, half, r, ko_ref, row, quad)
       if not (8 * k < hi_col and 8 * k + 8 > lo_col):
         return None
       t = arith.addi(row, _i32(j * SLOT + 8 * half))                  # token in the tile
@@ -463,8 +512,23 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
 
   def value_patch(j):
     """v^T (rows = channels, columns = slot j's tokens): rows [d_low, d_low + n_out) take the
-    outlier channels' values, so out^T's rows there are the outlier outputs."""
+    outlier channels' values, so out^T's rows there are the outlier outputs. ``staged``: an
+    fp16 pair of neighbouring tokens from ``vout_smem`` and one select."""
+    def patch_staged(mt, k, half, r, vout_ref, row, quad):
+      r0 = 64 * mt + 8 * half               # a thread's rows here: r0 + 16 warp + (0..7)
+      if not (r0 < hi_col and r0 + 56 > lo_col):
+        return None
+      pred, o = _in_range(arith.addi(row, _i32(r0)), lo_col, hi_col)
+      t0 = j * SLOT
+      col = arith.addi(_i32(t0 % C + 8 * k), arith.muli(quad, _i32(2)))
+      f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+      pair = mgpu_utils.bitcast(vector.load(f16x2, vout_ref, [_index(o), _ix(t0 // C), _index(col)]),
+                                ir.IntegerType.get_signless(32))
+      return arith.select(pred, pair, r)
+
     def patch(mt, k, half, r, vo_ref, row, quad):
+      if staged:
+        return patch_staged(mt, k, half, r, vo_ref, row, quad)
       if not (64 * mt < hi_col and 64 * mt + 64 > lo_col):
         return None
       bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
@@ -479,10 +543,16 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
       return _select_halves(pred, lo, pred, hi, r)
     return patch
 
-  def stage_meta(*pairs):
+  def stage_meta(*pairs, outliers=()):
     """fp8/16-bit metadata of one tile -> (s * 2**bits, z - s * 2**bits) in fp16, in smem;
-    pairs: (scales, zeros, destination) of keys and/or values."""
+    pairs: (scales, zeros, destination) of keys and/or values; outliers (``staged``): the
+    tile's key and/or value outlier buffers, staged as fp16 (``_stage_outliers``)."""
     plgpu.commit_smem()                  # every warp is done with the previous tile's copy
+    for src, is_key in outliers:
+      if is_key:
+        _stage_outliers(src, kout_smem, tokens_major=True, base=lo_col - 8 * k_lo)
+      else:
+        _stage_outliers(src, vout_smem, tokens_major=False)
     for src_s, src_z, dst in pairs:
       if ilv:
         _stage_pairs(src_s, src_z, dst, bits=bits)
@@ -504,9 +574,10 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
     tbase = (tile0 + i) * P
     with jax.named_scope("meta"):     # a region in profile traces
       if hooks is None:
-        stage_meta((ks, kz, kmeta_smem), (vs, vz, vmeta_smem))
+        stage_meta((ks, kz, kmeta_smem), (vs, vz, vmeta_smem),
+                   outliers=((ko, True), (vo, False)) if staged else ())
       else:
-        stage_meta((ks, kz, kmeta_smem))
+        stage_meta((ks, kz, kmeta_smem), outliers=((ko, True),) if staged else ())
     for j0 in range(0, cpw, phase):
       js = range(j0, min(j0 + phase, cpw))
       with jax.named_scope("qk"):     # a region in profile traces
@@ -517,7 +588,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
         def qk(*acc_refs):
           for a_ref, j in zip(acc_refs, js):
             k16 = _dequant(kw, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j), interleaved=ilv,
-                           patch_ref=ko, patch=key_patch(j) if omma else None)
+                           patch_ref=kout_smem if staged else ko, patch=key_patch(j) if omma else None)
             plgpu.wgmma(a_ref, k16, plgpu.transpose_ref(q_smem, (1, 0)))
             plgpu.wgmma_wait(inflight)            # MMAs left in flight while the next slot dequantizes
           return [a_ref[...] for a_ref in acc_refs]
@@ -533,7 +604,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
       if hooks is not None and j0 == 0:
         with jax.named_scope("vwait"):
           hooks.values_ready()
-          stage_meta((vs, vz, vmeta_smem))
+          stage_meta((vs, vz, vmeta_smem), outliers=((vo, False),) if staged else ())
 
       with jax.named_scope("softmax"):     # a region in profile traces
         # --- one online-softmax update for the phase: a single cross-warp max
@@ -565,7 +636,8 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
         def pv(acc_ref):
           for n, j in enumerate(js):
             v16 = _dequant(vw, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j), interleaved=ilv,
-                           patch_ref=vo, patch=value_patch(j) if omma else None)
+                           patch_ref=vout_smem if staged else vo,
+                           patch=value_patch(j) if omma else None)
             pb = plgpu.transpose_ref(p_smem.at[n], (1, 0)) if p_tokens_minor else p_smem.at[n]
             plgpu.wgmma(acc_ref, v16, pb)
             plgpu.wgmma_wait(inflight)
@@ -682,8 +754,8 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
 
 def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=PHASE_SLOTS,
                        inflight=1, outliers_in_mma=True, stages=STAGES, heads_pad=None,
-                       interleave_meta=False, warpgroups=1, split_fetch=SPLIT_FETCH, profile_dir="",
-                       ablate=frozenset()):
+                       interleave_meta=False, warpgroups=1, split_fetch=SPLIT_FETCH,
+                       staged_outliers=STAGED_OUTLIERS, profile_dir="", ablate=frozenset()):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -741,10 +813,17 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       _meta_scratch(lead + (lay.n_groups_tok, SLOT * lay.cpw // c, c), ilv, len(lead)),  # value s2, z2
       plgpu.Barrier(num_barriers=wgs, num_arrivals=1 + (n_out > 0 and not omma)),
   ]
+  staged = bool(omma and staged_outliers and wgs == 1)   # three programs per CTA: no room (11 KB each)
+  tile = SLOT * lay.cpw
+  if staged:                     # fp16 outliers of a tile: keys [T, W] (W: their 8-column blocks), values
+    k_lo, k_hi = lay.d_low // 8, (lay.d_low + n_out - 1) // 8
+    scratch += [smem((tile, 8 * (k_hi - k_lo + 1)), jnp.float16), smem((n_out, tile // c, c), jnp.float16)]
+  else:
+    scratch += [smem((2, 8), jnp.float16), smem((2, 8), jnp.float16)]       # unused
+  assert len(scratch) == _N_COMMON
   args = (nq, q_lo, q_out.astype(f32), kv.k_codes, kv.k_scale, kv.k_zero, tm(ko),
           kv.v_codes, tm(kv.v_scale), tm(kv.v_zero), tm(vo))
   if wgs > 1 or split_fetch:     # this program's _Own buffers: tiles (as the block specs), barriers, staging
-    tile = SLOT * lay.cpw
     blocks = [((SLOT, dp), _transforms(dp, 2)), ((kr, dp), ()), ((kr, dp), ()),
               ((ko.shape[2], tile // c, c), ()), ((SLOT, dp), _transforms(dp, 2)),
               ((lay.n_groups_tok, tile // c, c), ()), ((lay.n_groups_tok, tile // c, c), ()),
@@ -766,7 +845,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   kern = plgpu.kernel(
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
                         stages=stages, npad=npad, ilv=ilv, wgs=wgs, split=bool(split_fetch),
-                        ablate=ablate),
+                        staged=staged, ablate=ablate),
       out_type=out_types, scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024, **prof), **grid,
   )
@@ -781,12 +860,12 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "phase_slots", "inflight",
                                              "outliers_in_mma", "stages", "heads_pad",
-                                             "interleave_meta", "warpgroups", "split_fetch", "profile_dir",
-                                             "ablate"))
+                                             "interleave_meta", "warpgroups", "split_fetch",
+                                             "staged_outliers", "profile_dir", "ablate"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
                           heads_pad=None, interleave_meta=False, warpgroups=1, split_fetch=SPLIT_FETCH,
-                          profile_dir="",
+                          staged_outliers=STAGED_OUTLIERS, profile_dir="",
                           ablate: frozenset = frozenset()):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first."""
@@ -794,6 +873,7 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
   m, l, o_lo, o_out = quantized_partials(qg, kv, num_splits=num_splits, phase_slots=phase_slots,
                                       inflight=inflight, outliers_in_mma=outliers_in_mma, stages=stages,
                                       heads_pad=heads_pad, interleave_meta=interleave_meta,
-                                      warpgroups=warpgroups, split_fetch=split_fetch, profile_dir=profile_dir,
+                                      warpgroups=warpgroups, split_fetch=split_fetch,
+                                      staged_outliers=staged_outliers, profile_dir=profile_dir,
                                       ablate=ablate)
   return merge_partials(qg, kv, m, l, o_lo, o_out).reshape(q.shape).astype(q.dtype)
