@@ -29,7 +29,7 @@ def main():
   backend = "mosaic" if "--mosaic" in sys.argv else "triton"
   cases = itertools.product((2, 3, 4, 8), ((32, 32, 4),) if quick else ((16, 0, 0), (32, 32, 4), (64, 64, 0)),
                             (("channel", "token"), ("token", "channel")),
-                            (0.02, 0.15) if quick else (0.0, 0.02, 0.15))
+                            (0.02, 0.03, 0.15) if quick else (0.0, 0.02, 0.03, 0.15))
   for bits, (g, r, s), (ka, va), frac in cases:
     b, h, ratio, d, t = 3, 2, 4, 128, 1000
     k = rng.normal(size=(b, h, t, d)) * np.exp(0.5 * rng.normal(size=(1, h, 1, d)))
