@@ -41,7 +41,10 @@ padding on the token axis and the dequantized tiles never leave registers:
   16-bit values (as fp16) replace the dequantized registers of those key columns and
   ``v^T`` rows, and the query's outlier channels sit in the same columns, so the
   tensor cores do that work (H200, B=8, 32k: 0.298 against 0.317 ms for rank-1
-  updates on the CUDA cores, which ``outliers_in_mma=False`` keeps).
+  updates on the CUDA cores, which ``outliers_in_mma=False`` keeps). Each tile's outlier
+  values are converted to fp16 once (``staged_outliers``, ``_stage_outliers``), so a
+  patched register costs one 32-bit shared load and one select or lop3 (was ~13
+  instructions: a fifth of the loop; H200, B=8, 32k: 0.196 -> 0.178 ms).
 * Sinks and the full-precision window are attended in plain ``jnp`` (a few
   dozen tokens); the partials are merged in log2 units as in the Triton kernel.
 * ``warpgroups=3`` runs three programs per CTA, one per warpgroup, each with its own
@@ -88,7 +91,6 @@ PHASE_SLOTS = 8          # 64-token slots per softmax update, capped at cpw (H20
                          # 8 -> 0.311 ms, 4 -> 0.320, 2 -> 0.338, 1 -> 0.419)
 STAGED_OUTLIERS = True   # outliers_in_mma: each tile's outlier values staged once as fp16, so a patched
                          # MMA register costs a shared load and a select (was ~13 instructions)
-KEY_BUFFERS = 1          # split_fetch, one program per CTA: 2 fetches keys two tiles ahead
 _N_COMMON = 8            # scratch buffers every program has (before its _Own ones)
 SPLIT_FETCH = True       # tiles fetched by hand in key and value halves, each as soon as its
                          # buffers are free (H200: B=8 32k 0.199 -> 0.194 ms, B=1 128k 0.144 -> 0.140)
@@ -394,7 +396,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
             o_ref, oo_ref, m_ref, l_ref, *scratch,
             lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
             ilv: bool = False, wgs: int = 1, split: bool = False, staged: bool = False,
-            kbuf: int = 1, ablate: frozenset = frozenset()):
+            ablate: frozenset = frozenset()):
   """One program: b, h and split from the grid (``wgs == 1``), or ``wgs`` programs per CTA,
   one per warpgroup, each with its own slice (``.at[wg]``) of every scratch buffer: the
   ``_N_COMMON`` every program has, then (``_Own``) its tile buffers, barriers and staging."""
@@ -404,11 +406,11 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
     if split:                      # one-barrier arrays -> barriers, as the .at[wg] views below
       common[5] = common[5].at[0]
       own = _Own.of(scratch[_N_COMMON:])
-      own = own._replace(kbar=own.kbar if kbuf > 1 else own.kbar.at[0], vbar=own.vbar.at[0])
+      own = own._replace(kbar=own.kbar.at[0], vbar=own.vbar.at[0])
     _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
              o_ref, oo_ref, m_ref, l_ref, *common, lay=lay, bps=bps, phase=phase, inflight=inflight,
-             omma=omma, stages=stages, npad=npad, ilv=ilv, staged=staged, kbuf=kbuf,
-             ablate=ablate, own=own)
+             omma=omma, stages=stages, npad=npad, ilv=ilv, staged=staged, ablate=ablate,
+             own=own)
     return
   wg = lax.axis_index("wg")
   prog = lax.axis_index("c") * wgs + wg
@@ -428,7 +430,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
              o_ref, oo_ref, m_ref, l_ref,
              q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar, kout_smem, vout_smem,
              *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
-             ilv: bool = False, staged: bool = False, kbuf: int = 1, ablate: frozenset = frozenset(),
+             ilv: bool = False, staged: bool = False, ablate: frozenset = frozenset(),
              own: _Own | None = None):
   """With ``own`` the tiles are fetched by hand, one tile in flight in two halves: the next
   tile's keys as soon as this tile's key buffers are read (after the score MMAs), its values
@@ -678,25 +680,19 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
         body, grid=(bps,), in_specs=specs, max_concurrent_steps=stages, init_carry=init)(*srcs)
   else:
     bufs, kbar, vbar = own.tiles, own.kbar, own.vbar
-    # kbuf == 2: the key buffers and barrier have a leading [2]; tile i's keys sit in i % 2
-    kslot = (lambda x, i: x.at[i % 2]) if kbuf > 1 else (lambda x, i: x)
 
     def fetch(i, half):                  # half 0: key codes, metadata, outliers; 1: values
       for spec, src, buf in list(zip(specs, srcs, bufs))[4 * half:4 * half + 4]:
         blk = spec.index_map(i)
         idx = tuple(pl.ds(k * n, n) for k, n in zip(blk, spec.block_shape))
-        if half == 0:
-          plgpu.copy_gmem_to_smem(src.at[idx], kslot(buf, i), kslot(kbar, i))
-        else:
-          plgpu.copy_gmem_to_smem(src.at[idx], buf, vbar)
+        plgpu.copy_gmem_to_smem(src.at[idx], buf, (kbar, vbar)[half])
 
     def fetch_next(i, half):
       plgpu.commit_smem()                # every warp is done with these buffers
-      ahead = kbuf if half == 0 else 1   # keys: into the buffer tile i used, kbuf tiles ahead
 
-      @pl.when(i + ahead < bps)
+      @pl.when(i + 1 < bps)
       def _():
-        fetch(i + ahead, half)
+        fetch(i + 1, half)
 
     class Hooks:
       def __init__(self, i):
@@ -709,16 +705,12 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
         plgpu.barrier_wait(vbar)
 
     fetch(0, 0)
-    if kbuf > 1:
-      @pl.when(bps > 1)
-      def _():
-        fetch(1, 0)
     fetch(0, 1)
 
     def step(i, carry):
       with jax.named_scope("kwait"):     # a region in profile traces
-        plgpu.barrier_wait(kslot(kbar, i))
-      carry = body((i,), *[kslot(x, i) for x in bufs[:4]], *bufs[4:], carry, hooks=Hooks(i))
+        plgpu.barrier_wait(kbar)
+      carry = body((i,), *bufs, carry, hooks=Hooks(i))
       fetch_next(i, 1)
       return carry
     m, l_rows, acc, acc_vo = lax.fori_loop(0, bps, step, init)
@@ -770,8 +762,7 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
 def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=PHASE_SLOTS,
                        inflight=1, outliers_in_mma=True, stages=STAGES, heads_pad=None,
                        interleave_meta=False, warpgroups=1, split_fetch=SPLIT_FETCH,
-                       staged_outliers=STAGED_OUTLIERS, key_buffers=KEY_BUFFERS, profile_dir="",
-                       ablate=frozenset()):
+                       staged_outliers=STAGED_OUTLIERS, profile_dir="", ablate=frozenset()):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -839,18 +830,13 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   assert len(scratch) == _N_COMMON
   args = (nq, q_lo, q_out.astype(f32), kv.k_codes, kv.k_scale, kv.k_zero, tm(ko),
           kv.v_codes, tm(kv.v_scale), tm(kv.v_zero), tm(vo))
-  kbuf = 1
   if wgs > 1 or split_fetch:     # this program's _Own buffers: tiles (as the block specs), barriers, staging
     blocks = [((SLOT, dp), _transforms(dp, 2)), ((kr, dp), ()), ((kr, dp), ()),
               ((ko.shape[2], tile // c, c), ()), ((SLOT, dp), _transforms(dp, 2)),
               ((lay.n_groups_tok, tile // c, c), ()), ((lay.n_groups_tok, tile // c, c), ()),
               ((vo.shape[2], tile // c, c), ())]
-    kbuf = 2 if key_buffers > 1 and wgs == 1 else 1
-    if kbuf > 1:                 # keys two tiles ahead: two of each key buffer
-      blocks[:4] = [((kbuf,) + shape, tr) for shape, tr in blocks[:4]]
     scratch += [smem(shape, x.dtype, transforms=tr) for (shape, tr), x in zip(blocks, args[3:])]
-    scratch += [plgpu.Barrier(num_barriers=wgs * kbuf, num_arrivals=4),
-                plgpu.Barrier(num_barriers=wgs, num_arrivals=4),
+    scratch += [plgpu.Barrier(num_barriers=wgs, num_arrivals=4), plgpu.Barrier(num_barriers=wgs, num_arrivals=4),
                 smem((dp, npad), f32), smem((nop, npad), f32), smem((2, npad), f32)]
     if wgs > 1:
       scratch.append(smem((256,), f32))                     # cross-warp reductions
@@ -866,7 +852,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   kern = plgpu.kernel(
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
                         stages=stages, npad=npad, ilv=ilv, wgs=wgs, split=bool(split_fetch),
-                        staged=staged, kbuf=kbuf, ablate=ablate),
+                        staged=staged, ablate=ablate),
       out_type=out_types, scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024, **prof), **grid,
   )
@@ -882,11 +868,11 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "phase_slots", "inflight",
                                              "outliers_in_mma", "stages", "heads_pad",
                                              "interleave_meta", "warpgroups", "split_fetch",
-                                             "staged_outliers", "key_buffers", "profile_dir", "ablate"))
+                                             "staged_outliers", "profile_dir", "ablate"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
                           heads_pad=None, interleave_meta=False, warpgroups=1, split_fetch=SPLIT_FETCH,
-                          staged_outliers=STAGED_OUTLIERS, key_buffers=KEY_BUFFERS, profile_dir="",
+                          staged_outliers=STAGED_OUTLIERS, profile_dir="",
                           ablate: frozenset = frozenset()):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first."""
@@ -895,7 +881,6 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
                                       inflight=inflight, outliers_in_mma=outliers_in_mma, stages=stages,
                                       heads_pad=heads_pad, interleave_meta=interleave_meta,
                                       warpgroups=warpgroups, split_fetch=split_fetch,
-                                      staged_outliers=staged_outliers, key_buffers=key_buffers,
-                                      profile_dir=profile_dir,
+                                      staged_outliers=staged_outliers, profile_dir=profile_dir,
                                       ablate=ablate)
   return merge_partials(qg, kv, m, l, o_lo, o_out).reshape(q.shape).astype(q.dtype)
