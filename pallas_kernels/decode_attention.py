@@ -429,12 +429,15 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
   return o.reshape(b, hq, d).astype(q.dtype)
 
 
-# "auto" takes the Mosaic GPU kernel from this many cached tokens (B * capacity) up: below,
-# a call is dominated by fixed per-launch cost, where the Triton kernel is cheaper. H200,
-# 2026-12-03 (session 5 bench, one process, 2-bit + 2 %), triton / mosaic ms: B=1 4k
-# 0.079 / 0.127; B=8 4k 0.097 / 0.137; B=1 32k 0.110 / 0.115 (32k tokens: Triton);
-# B=1 128k 0.216 / 0.144 (128k tokens: Mosaic). 64k, between the two, was not timed.
+# "auto" takes the Mosaic GPU kernel for caches of this many tokens (B * capacity) or of
+# sequences this long (capacity): below, a call is dominated by fixed per-program cost,
+# where the Triton kernel is cheaper. H200, 2026-12-03 (session 6 bench, one process,
+# 2-bit + 2 %), triton / mosaic ms: B=1 4k 0.097 / 0.125; B=8 4k 0.084 / 0.118 (short
+# sequences: Triton); B=1 32k 0.094 / 0.074; B=1 128k 0.215 / 0.135; B=8 32k 0.375 / 0.177.
+# (Session 5, before staged outliers, B=1 32k was 0.110 / 0.115.) 64k tokens of 4k-token
+# sequences, e.g. B=16 4k, were not timed.
 MOSAIC_MIN_TOKENS = 65536
+MOSAIC_MIN_CONTEXT = 32768
 
 
 def choose_backend(backend: str, kv: kq.QuantizedKV, num_q_heads_per_kv: int, interpret: bool) -> str:
@@ -459,7 +462,7 @@ def choose_backend(backend: str, kv: kq.QuantizedKV, num_q_heads_per_kv: int, in
       raise ValueError("backend='mosaic' has no interpret mode (it needs a Hopper GPU); "
                        "use backend='triton' or 'auto'")
     return backend
-  big = kv.batch * kv.layout.cq >= MOSAIC_MIN_TOKENS
+  big = kv.batch * kv.layout.cq >= MOSAIC_MIN_TOKENS or kv.layout.cq >= MOSAIC_MIN_CONTEXT
   return "mosaic" if supported and big and not interpret and mgpu.is_hopper() else "triton"
 
 
@@ -489,7 +492,8 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
       halves of the tile). Not yet timed on a GPU: off by default.
     backend: "auto" (default): "mosaic" when compiling for a Hopper GPU (sm_90),
       ``decode_attention_mgpu.supports`` accepts the layout and the cache holds at
-      least ``MOSAIC_MIN_TOKENS`` tokens (batch * capacity); else "triton".
+      least ``MOSAIC_MIN_TOKENS`` tokens (batch * capacity) or ``MOSAIC_MIN_CONTEXT``
+      per sequence (capacity); else "triton".
       "triton": this module's kernel (every layout, any CUDA GPU, interpret mode).
       "mosaic": ``decode_attention_mgpu`` (Hopper only; num_warps, num_stages,
       slots_per_step and step_tokens do not apply). On an H200 with 2-bit + 2 %

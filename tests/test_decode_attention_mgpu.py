@@ -77,19 +77,22 @@ def test_lowers_for_cuda_outlier_staging(bits, frac, staged):
   assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("backend,hopper,interpret,frac,tokens,want", [
-    ("auto", False, True, 0.02, 32768, "triton"),       # CPU: interpret mode is Triton's
-    ("auto", True, False, 0.02, 65536, "mosaic"),       # Hopper, supported, large enough
-    ("auto", True, False, 0.02, 32768, "triton"),       # too small: fixed launch cost dominates
-    ("auto", True, False, 0.15, 65536, "triton"),       # layout the Mosaic kernel does not take
-    ("auto", False, False, 0.02, 65536, "triton"),      # other GPUs
-    ("triton", True, False, 0.02, 32768, "triton"),
-    ("mosaic", True, False, 0.02, 256, "mosaic"),
+@pytest.mark.parametrize("backend,hopper,interpret,frac,batch,tokens,want", [
+    ("auto", False, True, 0.02, 1, 32768, "triton"),       # CPU: interpret mode is Triton's
+    ("auto", True, False, 0.02, 1, 65536, "mosaic"),       # Hopper, supported, large enough
+    ("auto", True, False, 0.02, 16, 4096, "mosaic"),       # 64k tokens in all
+    ("auto", True, False, 0.02, 1, 32768, "mosaic"),       # one long sequence
+    ("auto", True, False, 0.02, 8, 4096, "triton"),        # too small: fixed per-program cost dominates
+    ("auto", True, False, 0.02, 1, 16384, "triton"),
+    ("auto", True, False, 0.15, 1, 65536, "triton"),       # layout the Mosaic kernel does not take
+    ("auto", False, False, 0.02, 1, 65536, "triton"),      # other GPUs
+    ("triton", True, False, 0.02, 1, 32768, "triton"),
+    ("mosaic", True, False, 0.02, 1, 256, "mosaic"),
 ])
-def test_choose_backend(monkeypatch, backend, hopper, interpret, frac, tokens, want):
+def test_choose_backend(monkeypatch, backend, hopper, interpret, frac, batch, tokens, want):
   monkeypatch.setattr(dm, "is_hopper", lambda: hopper)
   cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=frac)
-  kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 1, 2, 128, tokens))
+  kv = jax.eval_shape(lambda: kq.empty_kv(cfg, batch, 2, 128, tokens))
   assert choose_backend(backend, kv, 4, interpret) == want
 
 
