@@ -91,8 +91,6 @@ PHASE_SLOTS = 8          # 64-token slots per softmax update, capped at cpw (H20
                          # 8 -> 0.311 ms, 4 -> 0.320, 2 -> 0.338, 1 -> 0.419)
 STAGED_OUTLIERS = True   # outliers_in_mma: each tile's outlier values staged once as fp16, so a patched
                          # MMA register costs a shared load and a select (was ~13 instructions)
-EXACT_CODES = True       # codes read in place as exact fp16 integers (_dequant_asm_exact), one
-                         # integer instruction per pair instead of two
 _N_COMMON = 8            # scratch buffers every program has (before its _Own ones)
 SPLIT_FETCH = True       # tiles fetched by hand in key and value halves, each as soon as its
                          # buffers are free (H200: B=8 32k 0.199 -> 0.194 ms, B=1 128k 0.144 -> 0.140)
@@ -158,14 +156,11 @@ def _ld(ref, idx, layout):
 
 
 
-def _meta_pair(s, z, bits, exact):
-  """Metadata (fp8/bf16/fp16) -> fp16: ``exact`` (x = code * s + z) (s, z); else
-  (s * 2**bits, z - s * 2**bits): x = v * s2 + z2 for v = 1 + code * 2**-bits. Both in
-  fp16: 2**bits is exact, the subtraction is rounded once (as the Triton kernel does it
-  in float32 and then rounds)."""
+def _meta_pair(s, z, bits):
+  """Metadata (fp8/bf16/fp16) -> fp16 (s * 2**bits, z - s * 2**bits): x = v * s2 + z2
+  for v = 1 + code * 2**-bits. Both in fp16: 2**bits is exact, the subtraction is
+  rounded once (as the Triton kernel does it in float32 and then rounds)."""
   s16, z16 = s.astype(jnp.float16), z.astype(jnp.float16)
-  if exact:
-    return s16, z16
   s2 = s16 * jnp.float16(1 << bits)
   return s2, z16 - s2
 
@@ -173,8 +168,7 @@ def _meta_pair(s, z, bits, exact):
 def _dequant_asm(bits, slot):
   """Two fp16 from the uint16 words of two neighbouring channels (one 32-bit register):
   rotate slot ``slot``'s codes to the top mantissa bits of both halves, mask, OR in 1.0
-  (lop3), then ``v * s2 + z2`` (fma.f16x2). Three instructions per pair, two of them on
-  the integer pipe (``exact_codes=False``)."""
+  (lop3), then ``v * s2 + z2`` (fma.f16x2). Three instructions per pair."""
   top = ((1 << bits) - 1) << (10 - bits)
   rot = (slot * bits - (10 - bits)) % 32
   return ("{ .reg .b32 t; "
@@ -183,65 +177,12 @@ def _dequant_asm(bits, slot):
           "fma.rn.f16x2 $0, t, $2, $3; }")
 
 
-def _dequant_asm_exact(bits, pos):
-  """Two fp16 from one 32-bit register whose halves hold a slot's codes at bits
-  ``[pos, pos + bits)`` (inside the mantissa: ``pos + bits <= 10``): mask and OR in 1.0
-  (lop3: v = 1 + code * 2**(pos - 10)), ``code = v * 2**(10 - pos) - 2**(10 - pos)``
-  (fma, exact), then ``code * s + z`` (fma, rounded once). One integer and two fp16
-  instructions per pair: the integer pipe, which the rotation of ``_dequant_asm`` kept
-  busy, is the scarcer one (H200, B=8, 32k: 0.180 -> 0.164 ms with every rotation
-  replaced by an fma, measured as a timing-only ablation)."""
-  assert pos + bits <= 10, (pos, bits)
-  mask = ((1 << bits) - 1) << pos
-  m = (25 - pos) << 10                              # 2**(10 - pos) as fp16 bits
-  return ("{ .reg .b32 t, u, k, n; "
-          f"mov.b32 k, {m * 0x10001:#010x}; mov.b32 n, {(m | 0x8000) * 0x10001:#010x}; "
-          f"lop3.b32 t, $1, {mask * 0x10001:#010x}, 0x3c003c00, 0xea; "
-          "fma.rn.f16x2 u, t, k, n; "
-          "fma.rn.f16x2 $0, u, $2, $3; }")
-
-
-def _slot_plan(bits, slots, exact):
-  """(slot, shift, asm) per slot of a phase whose code words were just loaded. ``exact``:
-  each slot's codes are read where they sit; once a slot's would leave the mantissa
-  (bits 0-9 of a half), the words are shifted right in place first (``_shift_words``: one
-  instruction per register, at most once per phase for 2, 3, 4 and 8 bits)."""
-  if not exact:
-    return [(j, 0, _dequant_asm(bits, j)) for j in slots]
-  plan, off = [], 0
-  for j in slots:
-    pos, shift = bits * j - off, 0
-    if pos + bits > 10:
-      shift, off, pos = pos, bits * j, 0
-    plan.append((j, shift, _dequant_asm_exact(bits, pos)))
-  return plan
-
-
-def _shift_words(words, n):
-  """uint16 code words [M, N] (WGMMA layout) shifted right by n bits, one shr.b32 per
-  register: the high half's low bits land in the low half's top n bits, above every
-  code still to be read there."""
-  wl = plgpu.Layout.WGMMA
-
-  @plgpu.inline_mgpu(arg_types=(wl,), return_type=plgpu.ShapeDtypeStruct(words.shape, words.dtype, wl))
-  def fn(ctx, w):
-    del ctx
-    i32 = ir.IntegerType.get_signless(32)
-    out = w.registers.copy()
-    for idx in np.ndindex(out.shape):
-      ty = out[idx].type
-      out[idx] = mgpu_utils.bitcast(arith.shrui(mgpu_utils.bitcast(out[idx], i32), _i32(n)), ty)
-    return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=False)
-  return fn(words)
-
-
-def _dequant(words, meta_ref, *, asm, meta_index, patch_ref=None, patch=None,
+def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=None,
              interleaved=False):
   """uint16 code words [M, N] (WGMMA layout) -> fp16 [M, N] (WGMMA layout), in registers.
 
-  asm: ``_dequant_asm`` or ``_dequant_asm_exact`` of the slot (see ``_slot_plan``).
-  meta_ref: shared memory ``f16[2, ...]`` holding ``s2`` (``[0]``) and ``z2`` (``[1]``), as
-  ``_meta_pair`` makes them for ``asm``'s form, staged once per tile. ``meta_index(mt, k, warp, quad)``
+  meta_ref: shared memory ``f16[2, ...]`` holding ``s2 = s * 2**bits`` (``[0]``) and
+  ``z2 = z - s2`` (``[1]``), staged once per tile. ``meta_index(mt, k, warp, quad)``
   gives the indices (into ``meta_ref[0]``) of the f16 pair that scales the two
   columns a thread holds in register tile ``(mt, k)``: in the WGMMA layout, thread
   ``32 * warp + 4 * r + quad`` holds rows ``64 mt + 16 warp + r (+ 8)`` and columns
@@ -274,6 +215,7 @@ def _dequant(words, meta_ref, *, asm, meta_index, patch_ref=None, patch=None,
     warp = _index(warp_i32)
     quad_i32 = arith.andi(tid, _i32(3))
     quad = _index(quad_i32)
+    asm = _dequant_asm(bits, slot)
     regs = w.registers
     out = regs.copy()
     meta = {}
@@ -326,22 +268,20 @@ def _store_transposed(x, ref):
   fn(x, ref)
 
 
-def _stage_pairs(s_ref, z_ref, dst_ref, *, bits, exact):
+def _stage_pairs(s_ref, z_ref, dst_ref, *, bits):
   """fp8 scales and zero-points (smem, contiguous, n elements) -> ``dst i32[n/2, 2]`` (any
-  shape of that size): for each pair of neighbouring elements the f16x2 bits of the two
-  values ``_meta_pair`` makes (``exact``: s and z; else ``s * 2**bits`` and ``z - s *
-  2**bits``, rounded once in fp16), side by side. Each thread converts n / 128
-  consecutive elements, four per step: two 32-bit loads, four cvt.f16x2.e4m3x2 (then two
-  HMUL2 and two HSUB2 unless exact) and one 128-bit store."""
+  shape of that size): for each pair of neighbouring elements the f16x2 bits of
+  ``s * 2**bits`` and of ``z - s * 2**bits`` (rounded once in fp16, as ``_meta_pair``),
+  side by side. Each thread converts n / 128 consecutive elements, four per step: two
+  32-bit loads, four cvt.f16x2.e4m3x2, two HMUL2, two HSUB2 and one 128-bit store."""
   k2 = ((bits + 15) << 10) * 0x10001                 # 2**bits as two fp16
-  cvt = ("mov.b32 {sl, sh}, $4; mov.b32 {zl, zh}, $5; "
+  asm = ("{ .reg .b16 sl, sh, zl, zh; .reg .b32 s0, s1, z0, z1, k; "
+         "mov.b32 {sl, sh}, $4; mov.b32 {zl, zh}, $5; "
+         f"mov.b32 k, {k2:#010x}; "
          "cvt.rn.f16x2.e4m3x2 s0, sl; cvt.rn.f16x2.e4m3x2 s1, sh; "
-         "cvt.rn.f16x2.e4m3x2 z0, zl; cvt.rn.f16x2.e4m3x2 z1, zh; ")
-  finish = ("mov.b32 $0, s0; mov.b32 $2, s1; mov.b32 $1, z0; mov.b32 $3, z1; }" if exact else
-            f"mov.b32 k, {k2:#010x}; "
-            "mul.rn.f16x2 $0, s0, k; mul.rn.f16x2 $2, s1, k; "
-            "sub.rn.f16x2 $1, z0, $0; sub.rn.f16x2 $3, z1, $2; }")
-  asm = "{ .reg .b16 sl, sh, zl, zh; .reg .b32 s0, s1, z0, z1, k; " + cvt + finish
+         "cvt.rn.f16x2.e4m3x2 z0, zl; cvt.rn.f16x2.e4m3x2 z1, zh; "
+         "mul.rn.f16x2 $0, s0, k; mul.rn.f16x2 $2, s1, k; "
+         "sub.rn.f16x2 $1, z0, $0; sub.rn.f16x2 $3, z1, $2; }")
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)
   def fn(ctx, s, z, d):
@@ -456,7 +396,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
             o_ref, oo_ref, m_ref, l_ref, *scratch,
             lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
             ilv: bool = False, wgs: int = 1, split: bool = False, staged: bool = False,
-            exact: bool = False, ablate: frozenset = frozenset()):
+            ablate: frozenset = frozenset()):
   """One program: b, h and split from the grid (``wgs == 1``), or ``wgs`` programs per CTA,
   one per warpgroup, each with its own slice (``.at[wg]``) of every scratch buffer: the
   ``_N_COMMON`` every program has, then (``_Own``) its tile buffers, barriers and staging."""
@@ -469,8 +409,8 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
       own = own._replace(kbar=own.kbar.at[0], vbar=own.vbar.at[0])
     _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
              o_ref, oo_ref, m_ref, l_ref, *common, lay=lay, bps=bps, phase=phase, inflight=inflight,
-             omma=omma, stages=stages, npad=npad, ilv=ilv, staged=staged, exact=exact,
-             ablate=ablate, own=own)
+             omma=omma, stages=stages, npad=npad, ilv=ilv, staged=staged, ablate=ablate,
+             own=own)
     return
   wg = lax.axis_index("wg")
   prog = lax.axis_index("c") * wgs + wg
@@ -483,15 +423,15 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
     _program(prog // (nh * ns), (prog // ns) % nh, prog % ns, nq_ref, q_ref, qo_ref, kc_ref, ks_ref,
              kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref, o_ref, oo_ref, m_ref, l_ref, *common,
              lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma, stages=stages, npad=npad,
-             ilv=ilv, staged=staged, exact=exact, ablate=ablate, own=own)
+             ilv=ilv, staged=staged, ablate=ablate, own=own)
 
 
 def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
              o_ref, oo_ref, m_ref, l_ref,
              q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar, kout_smem, vout_smem,
              *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
-             ilv: bool = False, staged: bool = False, exact: bool = False,
-             ablate: frozenset = frozenset(), own: _Own | None = None):
+             ilv: bool = False, staged: bool = False, ablate: frozenset = frozenset(),
+             own: _Own | None = None):
   """With ``own`` the tiles are fetched by hand, one tile in flight in two halves: the next
   tile's keys as soon as this tile's key buffers are read (after the score MMAs), its values
   after the output MMAs. Without, ``plgpu.emit_pipeline`` fetches whole tiles."""
@@ -621,9 +561,9 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
         _stage_outliers(src, vout_smem, tokens_major=False)
     for src_s, src_z, dst in pairs:
       if ilv:
-        _stage_pairs(src_s, src_z, dst, bits=bits, exact=exact)
+        _stage_pairs(src_s, src_z, dst, bits=bits)
         continue
-      s2, z2 = _meta_pair(src_s[...], src_z[...], bits, exact)
+      s2, z2 = _meta_pair(src_s[...], src_z[...], bits)
       dst[0] = s2
       dst[1] = z2
     plgpu.commit_smem()
@@ -652,10 +592,8 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
 
         # --- phase 1: scores^T [64, npad] = k . q^T of every slot, MMAs issued back to back
         def qk(*acc_refs):
-          words = kw
-          for a_ref, (j, shift, asm) in zip(acc_refs, _slot_plan(bits, js, exact)):
-            words = _shift_words(words, shift) if shift else words
-            k16 = _dequant(words, kmeta_smem, asm=asm, meta_index=k_meta_index(j), interleaved=ilv,
+          for a_ref, j in zip(acc_refs, js):
+            k16 = _dequant(kw, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j), interleaved=ilv,
                            patch_ref=kout_smem if staged else ko, patch=key_patch(j) if omma else None)
             plgpu.wgmma(a_ref, k16, plgpu.transpose_ref(q_smem, (1, 0)))
             plgpu.wgmma_wait(inflight)            # MMAs left in flight while the next slot dequantizes
@@ -702,10 +640,8 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
             wl)                                                                  # [dp, 64] u16
 
         def pv(acc_ref):
-          words = vw
-          for n, (j, shift, asm) in enumerate(_slot_plan(bits, js, exact)):
-            words = _shift_words(words, shift) if shift else words
-            v16 = _dequant(words, vmeta_smem, asm=asm, meta_index=v_meta_index(j), interleaved=ilv,
+          for n, j in enumerate(js):
+            v16 = _dequant(vw, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j), interleaved=ilv,
                            patch_ref=vout_smem if staged else vo,
                            patch=value_patch(j) if omma else None)
             pb = plgpu.transpose_ref(p_smem.at[n], (1, 0)) if p_tokens_minor else p_smem.at[n]
@@ -826,8 +762,7 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
 def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=PHASE_SLOTS,
                        inflight=1, outliers_in_mma=True, stages=STAGES, heads_pad=None,
                        interleave_meta=False, warpgroups=1, split_fetch=SPLIT_FETCH,
-                       staged_outliers=STAGED_OUTLIERS, exact_codes=EXACT_CODES, profile_dir="",
-                       ablate=frozenset()):
+                       staged_outliers=STAGED_OUTLIERS, profile_dir="", ablate=frozenset()):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -917,7 +852,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   kern = plgpu.kernel(
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
                         stages=stages, npad=npad, ilv=ilv, wgs=wgs, split=bool(split_fetch),
-                        staged=staged, exact=bool(exact_codes), ablate=ablate),
+                        staged=staged, ablate=ablate),
       out_type=out_types, scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024, **prof), **grid,
   )
@@ -933,11 +868,11 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "phase_slots", "inflight",
                                              "outliers_in_mma", "stages", "heads_pad",
                                              "interleave_meta", "warpgroups", "split_fetch",
-                                             "staged_outliers", "exact_codes", "profile_dir", "ablate"))
+                                             "staged_outliers", "profile_dir", "ablate"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
                           heads_pad=None, interleave_meta=False, warpgroups=1, split_fetch=SPLIT_FETCH,
-                          staged_outliers=STAGED_OUTLIERS, exact_codes=EXACT_CODES, profile_dir="",
+                          staged_outliers=STAGED_OUTLIERS, profile_dir="",
                           ablate: frozenset = frozenset()):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first."""
@@ -946,7 +881,6 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
                                       inflight=inflight, outliers_in_mma=outliers_in_mma, stages=stages,
                                       heads_pad=heads_pad, interleave_meta=interleave_meta,
                                       warpgroups=warpgroups, split_fetch=split_fetch,
-                                      staged_outliers=staged_outliers, exact_codes=exact_codes,
-                                      profile_dir=profile_dir,
+                                      staged_outliers=staged_outliers, profile_dir=profile_dir,
                                       ablate=ablate)
   return merge_partials(qg, kv, m, l, o_lo, o_out).reshape(q.shape).astype(q.dtype)

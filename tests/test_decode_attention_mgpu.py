@@ -62,53 +62,19 @@ def test_lowers_for_cuda(bits, group, phase, inflight, frac, omma, stages, heads
   assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("bits,frac,staged,exact", [
-    (2, 0.02, False, True), (2, 0.02, True, True), (3, 0.03, True, True), (4, 0.03, True, True),
-    (8, 0.02, True, True), (2, 0.0, True, True), (2, 0.02, True, False), (3, 0.02, False, False)])
-def test_lowers_for_cuda_outlier_staging(bits, frac, staged, exact):
+@pytest.mark.parametrize("bits,frac,staged", [
+    (2, 0.02, False), (2, 0.02, True), (3, 0.03, True), (4, 0.03, True), (8, 0.02, True),
+    (2, 0.0, True)])
+def test_lowers_for_cuda_outlier_staging(bits, frac, staged):
   """Outliers patched per register (staged=False) or staged once per tile as fp16 (3 or 4
   outlier channels: odd and even first columns; 3-bit tiles of 320 tokens, not a multiple
-  of the 128 threads that stage them); codes read in place (exact) or rotated to the top."""
+  of the 128 threads that stage them)."""
   cfg = kq.KVQuantConfig(bits=bits, group_size=32, outlier_fraction=frac, residual_window=32)
   kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 1, 2, 128, 4096))
   q = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
-  fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, staged_outliers=staged,
-                                              exact_codes=exact)
+  fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, staged_outliers=staged)
   text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
-
-
-@pytest.mark.parametrize("bits,phase", [(2, 8), (2, 4), (2, 3), (3, 5), (3, 2), (4, 4), (4, 1), (8, 2)])
-def test_slot_plan_reads_every_code_inside_the_mantissa(bits, phase):
-  """Exact-code dequantization: each slot's codes sit inside the mantissa (bits 0-9) when
-  read, the words are shifted at most once per phase, and the positions replay the packing
-  (slot j at bits [bits * j, bits * (j + 1)) of each 16-bit half, as kv_quant packs them)."""
-  cpw = 16 // bits
-  for j0 in range(0, cpw, phase):
-    js = range(j0, min(j0 + phase, cpw))
-    plan = dm._slot_plan(bits, js, True)
-    assert sum(1 for _, shift, _ in plan if shift) <= 1
-    off = 0
-    for j, shift, asm in plan:
-      off += shift
-      pos = bits * j - off
-      assert 0 <= pos and pos + bits <= 10
-      mask = ((1 << bits) - 1) << pos
-      assert f"{mask * 0x10001:#010x}" in asm
-      assert f"{((25 - pos) << 10) * 0x10001:#010x}" in asm       # 2**(10 - pos): code = v * M - M
-
-
-def test_exact_code_arithmetic_matches_the_codes():
-  """The fp16 steps of ``_dequant_asm_exact`` on every code and position, in numpy: the lop3
-  value v = 1 + code * 2**(pos - 10), then v * M - M with M = 2**(10 - pos), is the code."""
-  import numpy as np
-  for bits in (2, 3, 4, 8):
-    codes = np.arange(1 << bits, dtype=np.uint16)
-    for pos in range(0, 11 - bits):
-      v = ((codes << pos) | 0x3C00).view(np.float16)
-      m = np.float16(2.0 ** (10 - pos))
-      code = (v.astype(np.float32) * np.float32(m) - np.float32(m)).astype(np.float16)
-      np.testing.assert_array_equal(code, codes.astype(np.float16))
 
 
 @pytest.mark.parametrize("backend,hopper,interpret,frac,batch,tokens,want", [
