@@ -171,8 +171,9 @@ def _dequant_asm(bits, slot, timing_form=""):
   (lop3), then ``v * s2 + z2`` (fma.f16x2). Three instructions per pair.
 
   ``timing_form`` (ablations ``noshift`` / ``fp2``: wrong values, timing only) leaves the
-  rotation out, or spends an fma with one constant pair in its place: what the integer
-  pipe costs (H200, B=8, 32k: 0.180 -> 0.165 / 0.166 ms)."""
+  rotation out, or spends an fma with one constant pair in its place. Beware: every slot
+  then has the same mask, so ptxas merges the slots' lop3 and fma (SASS: LOP3 756 -> 308);
+  their times (H200, B=8, 32k: 0.180 -> 0.165 / 0.166 ms) are not the rotation's cost."""
   top = ((1 << bits) - 1) << (10 - bits)
   rot = (slot * bits - (10 - bits)) % 32
   if timing_form:
