@@ -91,6 +91,8 @@ PHASE_SLOTS = 8          # 64-token slots per softmax update, capped at cpw (H20
                          # 8 -> 0.311 ms, 4 -> 0.320, 2 -> 0.338, 1 -> 0.419)
 STAGED_OUTLIERS = True   # outliers_in_mma: each tile's outlier values staged once as fp16, so a patched
                          # MMA register costs a shared load and a select (was ~13 instructions)
+IN_PLACE_CODES = False   # read slots where the rotation left them (_read_plan): fewer rotations;
+                         # lowered on CPU, NOT yet run on a GPU (offline SASS of an emulation: -6 % instr.)
 _N_COMMON = 8            # scratch buffers every program has (before its _Own ones)
 SPLIT_FETCH = True       # tiles fetched by hand in key and value halves, each as soon as its
                          # buffers are free (H200: B=8 32k 0.199 -> 0.194 ms, B=1 128k 0.144 -> 0.140)
@@ -188,12 +190,66 @@ def _dequant_asm(bits, slot, timing_form=""):
           "fma.rn.f16x2 $0, t, $2, $3; }")
 
 
+def _dequant_asm_at(bits, pos):
+  """As ``_dequant_asm`` for codes already at bits ``[pos, pos + bits)`` of both halves
+  (``in_place_codes``): lop3 and fma, no rotation. v = 1 + code * 2**(pos - 10), so the
+  staged scale must be ``s * 2**(10 - pos)`` (``_read_plan``)."""
+  mask = ((1 << bits) - 1) << pos
+  return ("{ .reg .b32 t; "
+          f"lop3.b32 t, $1, {mask * 0x10001:#010x}, 0x3c003c00, 0xea; "
+          "fma.rn.f16x2 $0, t, $2, $3; }")
+
+
+def _read_plan(bits, cpw, phase):
+  """``in_place_codes``: for each slot, (rotation to apply to the phase's code words before
+  reading it, 0 for none; the bit position its codes then sit at). Slot j's codes start
+  at bit ``bits * j`` of each 16-bit half; a rotation right by R of the 32-bit register
+  moves them to ``bits * j - R`` in both halves. They are read at positions
+  ``[lo, 10 - bits]``, ``lo = min(4, 10 - bits)``: inside the mantissa, with a multiplier
+  ``2**(10 - pos) <= max(64, 2**bits)``, so that rounding ``z - s * 2**(10 - pos)`` to fp16
+  costs at most 1/32 of a quantization step (plus ``|z| / 2048``; the rotate-to-the-top
+  form: 2**bits / 2048 of a step). Each rotation places the next slot at
+  ``lo`` and serves the slots after it while they fit: at 2 bits three rotations per
+  eight slots instead of seven. The words are reloaded (unrotated) every phase."""
+  lo, hi = min(4, 10 - bits), 10 - bits
+  plan = {}
+  for j0 in range(0, cpw, phase):
+    rot = 0
+    for j in range(j0, min(j0 + phase, cpw)):
+      pos = (bits * j - rot) % 32
+      delta = 0
+      if not lo <= pos <= hi:
+        new = (bits * j - lo) % 32
+        delta, rot, pos = (new - rot) % 32, new, lo
+      plan[j] = (delta, pos)
+  return plan
+
+
+def _rotate_words(words, r):
+  """uint16 code words [M, N] (WGMMA layout), each 32-bit register rotated right by r."""
+  wl = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(wl,), return_type=plgpu.ShapeDtypeStruct(words.shape, words.dtype, wl))
+  def fn(ctx, w):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    out = w.registers.copy()
+    for idx in np.ndindex(out.shape):
+      x = mgpu_utils.bitcast(out[idx], i32)
+      y = llvm.inline_asm(i32, [x], f"shf.r.wrap.b32 $0, $1, $1, {r};", "=r,r")
+      out[idx] = mgpu_utils.bitcast(y, w.registers[idx].type)
+    return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=False)
+  return fn(words)
+
+
 def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=None,
-             interleaved=False, timing_form=""):
+             interleaved=False, timing_form="", pos=None):
   """uint16 code words [M, N] (WGMMA layout) -> fp16 [M, N] (WGMMA layout), in registers.
 
   meta_ref: shared memory ``f16[2, ...]`` holding ``s2 = s * 2**bits`` (``[0]``) and
-  ``z2 = z - s2`` (``[1]``), staged once per tile. ``meta_index(mt, k, warp, quad)``
+  ``z2 = z - s2`` (``[1]``), staged once per tile (``pos``, for ``in_place_codes``: the
+  codes already sit at bits ``[pos, pos + bits)`` and s2 = s * 2**(10 - pos); no
+  rotation). ``meta_index(mt, k, warp, quad)``
   gives the indices (into ``meta_ref[0]``) of the f16 pair that scales the two
   columns a thread holds in register tile ``(mt, k)``: in the WGMMA layout, thread
   ``32 * warp + 4 * r + quad`` holds rows ``64 mt + 16 warp + r (+ 8)`` and columns
@@ -226,7 +282,7 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
     warp = _index(warp_i32)
     quad_i32 = arith.andi(tid, _i32(3))
     quad = _index(quad_i32)
-    asm = _dequant_asm(bits, slot, timing_form)
+    asm = _dequant_asm(bits, slot, timing_form) if pos is None else _dequant_asm_at(bits, pos)
     regs = w.registers
     out = regs.copy()
     meta = {}
@@ -407,7 +463,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
             o_ref, oo_ref, m_ref, l_ref, *scratch,
             lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
             ilv: bool = False, wgs: int = 1, split: bool = False, staged: bool = False,
-            ablate: frozenset = frozenset()):
+            inplace: bool = False, ablate: frozenset = frozenset()):
   """One program: b, h and split from the grid (``wgs == 1``), or ``wgs`` programs per CTA,
   one per warpgroup, each with its own slice (``.at[wg]``) of every scratch buffer: the
   ``_N_COMMON`` every program has, then (``_Own``) its tile buffers, barriers and staging."""
@@ -420,8 +476,8 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
       own = own._replace(kbar=own.kbar.at[0], vbar=own.vbar.at[0])
     _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
              o_ref, oo_ref, m_ref, l_ref, *common, lay=lay, bps=bps, phase=phase, inflight=inflight,
-             omma=omma, stages=stages, npad=npad, ilv=ilv, staged=staged, ablate=ablate,
-             own=own)
+             omma=omma, stages=stages, npad=npad, ilv=ilv, staged=staged, inplace=inplace,
+             ablate=ablate, own=own)
     return
   wg = lax.axis_index("wg")
   prog = lax.axis_index("c") * wgs + wg
@@ -434,15 +490,15 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
     _program(prog // (nh * ns), (prog // ns) % nh, prog % ns, nq_ref, q_ref, qo_ref, kc_ref, ks_ref,
              kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref, o_ref, oo_ref, m_ref, l_ref, *common,
              lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma, stages=stages, npad=npad,
-             ilv=ilv, staged=staged, ablate=ablate, own=own)
+             ilv=ilv, staged=staged, inplace=inplace, ablate=ablate, own=own)
 
 
 def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
              o_ref, oo_ref, m_ref, l_ref,
              q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar, kout_smem, vout_smem,
              *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
-             ilv: bool = False, staged: bool = False, ablate: frozenset = frozenset(),
-             own: _Own | None = None):
+             ilv: bool = False, staged: bool = False, inplace: bool = False,
+             ablate: frozenset = frozenset(), own: _Own | None = None):
   """With ``own`` the tiles are fetched by hand, one tile in flight in two halves: the next
   tile's keys as soon as this tile's key buffers are read (after the score MMAs), its values
   after the output MMAs. Without, ``plgpu.emit_pipeline`` fetches whole tiles."""
@@ -460,6 +516,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
   p_tokens_minor = _p_tokens_minor(npad)
   lo_col, hi_col = lay.d_low, lay.d_low + n_out     # with omma: their place in the MMA padding
   timing_form = next((f for f in ("noshift", "fp2") if f in ablate), "")   # timing-only ablations
+  plan = _read_plan(bits, cpw, phase) if inplace else None      # slot -> (rotation, bit position)
 
   qbar = bar.at[0] if own is None else bar          # (own: already one barrier)
   plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, qbar)
@@ -561,6 +618,24 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
       return _select_halves(pred, lo, pred, hi, r)
     return patch
 
+  def _stage_meta_per_slot(src_s, src_z, dst, is_key):
+    """``in_place_codes``: s2 = s * 2**(10 - pos_j), z2 = z - s2 with slot j's read position
+    (``_read_plan``): keys row by row (each G-token group lies in one slot), values one
+    slot's 64 token columns at a time."""
+    mult = lambda j: jnp.float16(2.0 ** (10 - plan[j][1]))
+    if is_key:
+      for r in range(kr):
+        m = mult(r * G // SLOT)
+        s16, z16 = src_s[r].astype(jnp.float16), src_z[r].astype(jnp.float16)
+        dst[0, r] = s16 * m
+        dst[1, r] = z16 - s16 * m
+      return
+    for j in range(cpw):
+      idx = (slice(None),) + tok_idx(j)
+      s16, z16 = src_s[idx].astype(jnp.float16), src_z[idx].astype(jnp.float16)
+      dst[(0,) + idx] = s16 * mult(j)
+      dst[(1,) + idx] = z16 - s16 * mult(j)
+
   def stage_meta(*pairs, outliers=()):
     """fp8/16-bit metadata of one tile -> (s * 2**bits, z - s * 2**bits) in fp16, in smem;
     pairs: (scales, zeros, destination) of keys and/or values; outliers (``staged``): the
@@ -572,6 +647,9 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
       else:
         _stage_outliers(src, vout_smem, tokens_major=False)
     for src_s, src_z, dst in pairs:
+      if plan is not None:
+        _stage_meta_per_slot(src_s, src_z, dst, dst is kmeta_smem)
+        continue
       if ilv:
         _stage_pairs(src_s, src_z, dst, bits=bits)
         continue
@@ -604,9 +682,12 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
 
         # --- phase 1: scores^T [64, npad] = k . q^T of every slot, MMAs issued back to back
         def qk(*acc_refs):
+          words = kw
           for a_ref, j in zip(acc_refs, js):
-            k16 = _dequant(kw, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j), interleaved=ilv,
-                           timing_form=timing_form,
+            if plan is not None and plan[j][0]:
+              words = _rotate_words(words, plan[j][0])      # in place: the old words are dead
+            k16 = _dequant(words, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j), interleaved=ilv,
+                           timing_form=timing_form, pos=None if plan is None else plan[j][1],
                            patch_ref=kout_smem if staged else ko, patch=key_patch(j) if omma else None)
             plgpu.wgmma(a_ref, k16, plgpu.transpose_ref(q_smem, (1, 0)))
             plgpu.wgmma_wait(inflight)            # MMAs left in flight while the next slot dequantizes
@@ -653,9 +734,12 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
             wl)                                                                  # [dp, 64] u16
 
         def pv(acc_ref):
+          words = vw
           for n, j in enumerate(js):
-            v16 = _dequant(vw, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j), interleaved=ilv,
-                           timing_form=timing_form,
+            if plan is not None and plan[j][0]:
+              words = _rotate_words(words, plan[j][0])
+            v16 = _dequant(words, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j), interleaved=ilv,
+                           timing_form=timing_form, pos=None if plan is None else plan[j][1],
                            patch_ref=vout_smem if staged else vo,
                            patch=value_patch(j) if omma else None)
             pb = plgpu.transpose_ref(p_smem.at[n], (1, 0)) if p_tokens_minor else p_smem.at[n]
@@ -776,7 +860,8 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
 def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=PHASE_SLOTS,
                        inflight=1, outliers_in_mma=True, stages=STAGES, heads_pad=None,
                        interleave_meta=False, warpgroups=1, split_fetch=SPLIT_FETCH,
-                       staged_outliers=STAGED_OUTLIERS, profile_dir="", ablate=frozenset()):
+                       staged_outliers=STAGED_OUTLIERS, in_place_codes=IN_PLACE_CODES, profile_dir="",
+                       ablate=frozenset()):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -835,6 +920,8 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       plgpu.Barrier(num_barriers=wgs, num_arrivals=1 + (n_out > 0 and not omma)),
   ]
   staged = bool(omma and staged_outliers and wgs == 1)   # three programs per CTA: no room (11 KB each)
+  # in place: each key group must lie in one slot (its staged scale carries that slot's multiplier)
+  inplace = bool(in_place_codes and lay.config.group_size <= SLOT and not ilv)
   tile = SLOT * lay.cpw
   if staged:                     # fp16 outliers of a tile: keys [T, W] (their columns, from an even one), values
     k_lo, k_hi = lay.d_low - lay.d_low % 2, lay.d_low + n_out
@@ -866,7 +953,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   kern = plgpu.kernel(
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
                         stages=stages, npad=npad, ilv=ilv, wgs=wgs, split=bool(split_fetch),
-                        staged=staged, ablate=ablate),
+                        staged=staged, inplace=inplace, ablate=ablate),
       out_type=out_types, scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024, **prof), **grid,
   )
@@ -882,11 +969,11 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "phase_slots", "inflight",
                                              "outliers_in_mma", "stages", "heads_pad",
                                              "interleave_meta", "warpgroups", "split_fetch",
-                                             "staged_outliers", "profile_dir", "ablate"))
+                                             "staged_outliers", "in_place_codes", "profile_dir", "ablate"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
                           heads_pad=None, interleave_meta=False, warpgroups=1, split_fetch=SPLIT_FETCH,
-                          staged_outliers=STAGED_OUTLIERS, profile_dir="",
+                          staged_outliers=STAGED_OUTLIERS, in_place_codes=IN_PLACE_CODES, profile_dir="",
                           ablate: frozenset = frozenset()):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first."""
@@ -895,6 +982,7 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
                                       inflight=inflight, outliers_in_mma=outliers_in_mma, stages=stages,
                                       heads_pad=heads_pad, interleave_meta=interleave_meta,
                                       warpgroups=warpgroups, split_fetch=split_fetch,
-                                      staged_outliers=staged_outliers, profile_dir=profile_dir,
+                                      staged_outliers=staged_outliers, in_place_codes=in_place_codes,
+                                      profile_dir=profile_dir,
                                       ablate=ablate)
   return merge_partials(qg, kv, m, l, o_lo, o_out).reshape(q.shape).astype(q.dtype)

@@ -62,19 +62,76 @@ def test_lowers_for_cuda(bits, group, phase, inflight, frac, omma, stages, heads
   assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("bits,frac,staged", [
-    (2, 0.02, False), (2, 0.02, True), (3, 0.03, True), (4, 0.03, True), (8, 0.02, True),
-    (2, 0.0, True)])
-def test_lowers_for_cuda_outlier_staging(bits, frac, staged):
+@pytest.mark.parametrize("bits,frac,staged,inplace", [
+    (2, 0.02, False, False), (2, 0.02, True, False), (3, 0.03, True, False), (4, 0.03, True, False),
+    (8, 0.02, True, False), (2, 0.0, True, False), (2, 0.02, True, True), (3, 0.02, True, True),
+    (4, 0.0, False, True), (8, 0.02, True, True)])
+def test_lowers_for_cuda_outlier_staging(bits, frac, staged, inplace):
   """Outliers patched per register (staged=False) or staged once per tile as fp16 (3 or 4
   outlier channels: odd and even first columns; 3-bit tiles of 320 tokens, not a multiple
-  of the 128 threads that stage them)."""
+  of the 128 threads that stage them); codes read in place (``in_place_codes``)."""
   cfg = kq.KVQuantConfig(bits=bits, group_size=32, outlier_fraction=frac, residual_window=32)
   kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 1, 2, 128, 4096))
   q = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
-  fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, staged_outliers=staged)
+  fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, staged_outliers=staged,
+                                              in_place_codes=inplace)
   text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("bits,phase", [(2, 8), (2, 4), (2, 3), (3, 5), (3, 2), (4, 4), (4, 1), (8, 2)])
+def test_read_plan_places_every_slot_inside_the_mantissa(bits, phase):
+  """in_place_codes: after the plan's rotations (cumulative within a phase, reset when a
+  phase reloads the words) each slot's codes sit at a position it reads them from, inside
+  the mantissa and with a multiplier <= max(64, 2**bits); at 2 bits and one phase, three
+  rotations serve eight slots (the rotate-per-slot form needs seven)."""
+  cpw = 16 // bits
+  plan = dm._read_plan(bits, cpw, phase)
+  assert sorted(plan) == list(range(cpw))
+  lo, hi = min(4, 10 - bits), 10 - bits
+  for j0 in range(0, cpw, phase):
+    rot = 0
+    for j in range(j0, min(j0 + phase, cpw)):
+      delta, pos = plan[j]
+      rot = (rot + delta) % 32
+      assert (bits * j - rot) % 32 == pos and lo <= pos <= hi
+  if bits == 2 and phase == 8:
+    assert sum(1 for d, _ in plan.values() if d) == 3
+
+
+@pytest.mark.parametrize("bits,phase", [(2, 8), (2, 4), (3, 5), (4, 4), (8, 2)])
+def test_in_place_dequantization_in_numpy(bits, phase):
+  """The in-place arithmetic bit for bit: codes packed as kv_quant packs them (slot j at
+  bits [bits * j, bits * (j + 1)) of each 16-bit half), the plan's rotations of the 32-bit
+  register, the lop3 mask at the slot's position with 1.0 ORed in, then one fp16 fma with
+  s2 = s * 2**(10 - pos) and z2 = z - s2 rounded to fp16: within the rounding of z2 (at most
+  (s * 2**(10 - pos) + |z|) * 2**-11, i.e. 1/32 of a quantization step at 2**(10 - pos) = 64)
+  and of the result of s * code + z."""
+  import numpy as np
+  rng = np.random.default_rng(bits)
+  cpw, n = 16 // bits, 4096
+  codes = rng.integers(0, 1 << bits, size=(cpw, 2, n)).astype(np.uint32)   # slot, half, pair
+  halves = sum(codes[j] << (bits * j) for j in range(cpw))                  # [2, n] 16-bit words
+  word = halves[0] | (halves[1] << 16)
+  s = rng.uniform(0.01, 8.0, size=n).astype(np.float16)
+  z = rng.uniform(-40.0, 40.0, size=n).astype(np.float16)
+  plan = dm._read_plan(bits, cpw, phase)
+  for j0 in range(0, cpw, phase):
+    w = word.copy()
+    for j in range(j0, min(j0 + phase, cpw)):
+      delta, pos = plan[j]
+      w = ((w >> delta) | (w << (32 - delta))) & 0xFFFFFFFF if delta else w
+      mask = ((1 << bits) - 1) << pos
+      t = (w & (mask | (mask << 16))) | 0x3C003C00
+      m = np.float16(2.0 ** (10 - pos))
+      s2 = (s * m).astype(np.float16)                                      # exact: a power of two
+      z2 = (z.astype(np.float64) - s2).astype(np.float16)
+      for half in (0, 1):
+        v = ((t >> (16 * half)) & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float64)
+        x = (v * s2 + z2.astype(np.float64)).astype(np.float16).astype(np.float64)   # one fma
+        want = s.astype(np.float64) * codes[j, half] + z
+        tol = (float(m) * s.astype(np.float64) + np.abs(z) + np.abs(want)) * 2.0 ** -11 + 1e-6
+        assert np.all(np.abs(x - want) <= tol), (j, half, np.max(np.abs(x - want) / tol))
 
 
 @pytest.mark.parametrize("backend,hopper,interpret,frac,batch,tokens,want", [
