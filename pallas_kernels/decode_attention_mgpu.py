@@ -23,6 +23,9 @@ padding on the token axis and the dequantized tiles never leave registers:
   (fp8 metadata) stages s2 and z2 side by side, converted per thread in inline PTX
   (``_stage_pairs``), so one 64-bit load replaces two 32-bit ones: correct, but no
   faster (H200, B=8, 32k: 0.202 against 0.204 ms at phase 8), so off by default.
+  ``in_place_codes=True`` (off, not yet run on a GPU) reads each slot where an in-place
+  rotation of the words left it (``_read_plan``), two instructions per pair for most
+  slots, with the slot's position folded into the staged scale.
 * Slots are processed in phases of ``phase_slots`` (default: the whole tile).
   Phase part 1: for each slot, keys are dequantized into the register layout
   of a ``wgmma`` A operand (``[64 tokens, D_pad]`` fp16) and multiplied by the
