@@ -6,7 +6,10 @@ disassembles it with ``nvdisasm`` (both from pip wheels, which run on a CPU mach
 ``pip download --no-deps nvidia-cuda-nvcc nvidia-cuda-nvdisasm``, then unzip; CUDA 13
 tools, as the PTX is ISA 9.0), prints the register report, and counts opcodes in the
 loop between the label a backward branch returns to and that branch (the longest such
-loop by default: the tile loop of the decode kernel).
+loop by default: the tile loop of the decode kernel), and the loop's static schedule: the
+sum of the stall counts ptxas wrote into the control words (bits 41-44 of each
+instruction's second 64-bit word), the fewest cycles one warp needs per iteration before
+any wait on memory, MMAs or barriers.
 
 Usage: python experiments/sass_histogram.py KERNEL.ptx --ptxas PATH --nvdisasm PATH
 """
@@ -28,6 +31,21 @@ def loops(sass_lines):
     if m and labels.get(m.group(1), i + 1) < i:
       found.append((labels[m.group(1)], i))
   return found
+
+
+def stall_cycles(hex_lines):
+  """Sum of the stall counts of the instructions in an ``nvdisasm -hex`` listing slice: each
+  instruction line ends in ``/* 0x<low word> */`` and the next line holds ``/* 0x<high
+  word> */``, whose bits 41-44 are the stall count."""
+  total, expect_high = 0, False
+  for l in hex_lines:
+    m = re.search(r"/\* (0x[0-9a-f]{16}) \*/\s*$", l)
+    if not m:
+      continue
+    if expect_high:
+      total += (int(m.group(1), 16) >> 41) & 0xF
+    expect_high = re.match(r"\s*/\*[0-9a-f]{4,}\*/", l) is not None    # an instruction's line
+  return total
 
 
 def histogram(lines):
@@ -53,14 +71,15 @@ def main():
     rep = subprocess.run([a.ptxas, f"-arch={a.arch}", "-v", a.ptx, "-o", cubin],
                          capture_output=True, text=True, check=True)
     print(" ".join(l.strip() for l in rep.stderr.splitlines() if re.search(r"Used|spill", l)))
-    sass = subprocess.run([a.nvdisasm, "-c", cubin], capture_output=True, text=True,
+    sass = subprocess.run([a.nvdisasm, "-c", "-hex", cubin], capture_output=True, text=True,
                           check=True).stdout.splitlines()
   found = loops(sass)
   if not found:
     raise SystemExit("no backward branch in the listing")
   lo, hi = max(found, key=lambda x: x[1] - x[0]) if a.loop is None else found[a.loop]
   c = histogram(sass[lo:hi + 1])
-  print(f"loop lines {lo}-{hi}: {sum(c.values())} instructions")
+  print(f"loop lines {lo}-{hi}: {sum(c.values())} instructions, "
+        f"{stall_cycles(sass[lo:hi + 2])} stall cycles per warp (static schedule)")
   print("  " + ", ".join(f"{op} {n}" for op, n in c.most_common(40)))
 
 

@@ -28,3 +28,16 @@ def test_finds_the_tile_loop_and_not_the_wait_stub_after_exit():
   assert lines[lo] == ".L_x_5:" and "@P0 BRA" in lines[hi]
   c = histogram(lines[lo:hi + 1])
   assert c == {"LOP3": 2, "HFMA2": 1, "SHF": 1, "HGMMA": 1, "BRA": 1}
+
+
+def test_stall_cycles_reads_bits_41_to_44_of_each_high_word():
+  from experiments.sass_histogram import stall_cycles
+  high = lambda stall: f"{(stall << 41) | 0x7e0000:#018x}"
+  listing = [
+      f"        /*0030*/                   LOP3.LUT R3, R3, 0x3000300, R0, 0xea, !PT ;   /* 0x0300030003037812 */",
+      f"                                                                               /* {high(2)} */",
+      ".L_x_1:",
+      f"        /*0040*/                   HFMA2 R4, R3, R5, R6 ;                        /* 0x0000000503047231 */",
+      f"                                                                               /* {high(5)} */",
+  ]
+  assert stall_cycles(listing) == 7
