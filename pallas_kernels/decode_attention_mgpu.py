@@ -629,15 +629,15 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
     if is_key:
       for r in range(kr):
         m = mult(r * G // SLOT)
-        s16, z16 = src_s[r].astype(jnp.float16), src_z[r].astype(jnp.float16)
-        dst[0, r] = s16 * m
-        dst[1, r] = z16 - s16 * m
+        s2 = src_s[r].astype(jnp.float16) * m
+        dst[0, r] = s2
+        dst[1, r] = src_z[r].astype(jnp.float16) - s2
       return
     for j in range(cpw):
       idx = (slice(None),) + tok_idx(j)
-      s16, z16 = src_s[idx].astype(jnp.float16), src_z[idx].astype(jnp.float16)
-      dst[(0,) + idx] = s16 * mult(j)
-      dst[(1,) + idx] = z16 - s16 * mult(j)
+      s2 = src_s[idx].astype(jnp.float16) * mult(j)
+      dst[(0,) + idx] = s2
+      dst[(1,) + idx] = src_z[idx].astype(jnp.float16) - s2
 
   def stage_meta(*pairs, outliers=()):
     """fp8/16-bit metadata of one tile -> (s * 2**bits, z - s * 2**bits) in fp16, in smem;

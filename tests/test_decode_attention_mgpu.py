@@ -164,17 +164,13 @@ def test_is_hopper_is_false_on_cpu():
   assert jax.default_backend() != "cpu" or not dm.is_hopper()
 
 
-def test_stages_need_the_whole_tile_pipeline():
+@pytest.mark.parametrize("kw,match", [
+    ({"stages": 2}, "split_fetch=False"),      # two tiles in flight need the whole-tile pipeline
+    ({"warpgroups": 0}, "warpgroups"),         # programs per CTA must be >= 1
+])
+def test_bad_options_are_clear_errors(kw, match):
   cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=0.02)
   kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 1, 2, 128, 4096))
   q = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
-  with pytest.raises(ValueError, match="split_fetch=False"):
-    jax.jit(lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=0.1, stages=2)).trace(q, kv)
-
-
-def test_warpgroups_must_be_positive():
-  cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=0.02)
-  kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 1, 2, 128, 4096))
-  q = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
-  with pytest.raises(ValueError, match="warpgroups"):
-    jax.jit(lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=0.1, warpgroups=0)).trace(q, kv)
+  with pytest.raises(ValueError, match=match):
+    jax.jit(lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=0.1, **kw)).trace(q, kv)
