@@ -23,9 +23,9 @@ padding on the token axis and the dequantized tiles never leave registers:
   (fp8 metadata) stages s2 and z2 side by side, converted per thread in inline PTX
   (``_stage_pairs``), so one 64-bit load replaces two 32-bit ones: correct, but no
   faster (H200, B=8, 32k: 0.202 against 0.204 ms at phase 8), so off by default.
-  ``in_place_codes=True`` (off, not yet run on a GPU) reads each slot where an in-place
-  rotation of the words left it (``_read_plan``), two instructions per pair for most
-  slots, with the slot's position folded into the staged scale.
+  ``in_place_codes=True`` (default) reads each slot where an in-place rotation of the
+  words left it (``_read_plan``), two instructions per pair for most slots, with the
+  slot's position folded into the staged scale (H200, B=8, 32k: 0.172 against 0.180 ms).
 * Slots are processed in phases of ``phase_slots`` (default: the whole tile).
   Phase part 1: for each slot, keys are dequantized into the register layout
   of a ``wgmma`` A operand (``[64 tokens, D_pad]`` fp16) and multiplied by the
@@ -94,9 +94,9 @@ PHASE_SLOTS = 8          # 64-token slots per softmax update, capped at cpw (H20
                          # 8 -> 0.311 ms, 4 -> 0.320, 2 -> 0.338, 1 -> 0.419)
 STAGED_OUTLIERS = True   # outliers_in_mma: each tile's outlier values staged once as fp16, so a patched
                          # MMA register costs a shared load and a select (was ~13 instructions)
-IN_PLACE_CODES = False   # read slots where the rotation left them (_read_plan): fewer rotations;
-                         # lowered on CPU, NOT yet run on a GPU (offline SASS of an emulation: -6 % instr.)
-_N_COMMON = 8            # scratch buffers every program has (before its _Own ones)
+IN_PLACE_CODES = True    # read slots where the rotation left them (_read_plan): fewer rotations
+                         # (H200, B=8 32k: 0.172 vs 0.180 ms; B=1 128k 0.130 vs 0.133; SASS 3,249 vs 3,501)
+_N_COMMON = 10           # scratch buffers every program has (before its _Own ones)
 SPLIT_FETCH = True       # tiles fetched by hand in key and value halves, each as soon as its
                          # buffers are free (H200: B=8 32k 0.199 -> 0.194 ms, B=1 128k 0.144 -> 0.140)
 
@@ -395,6 +395,38 @@ def _stage_outliers(src_ref, dst_ref, *, tokens_major, base=0):
   fn(src_ref, dst_ref)
 
 
+_POW2_FORMAT = {jnp.dtype(jnp.float16): (16, 15, 10), jnp.dtype(jnp.bfloat16): (16, 127, 7),
+                jnp.dtype(jnp.float8_e4m3fn): (8, 7, 3)}     # bits, exponent bias, mantissa bits
+
+
+def _fill_slot_multipliers(dst_ref, *, unit, plan):
+  """``in_place_codes``: ``dst`` (the metadata's dtype, so it loads in the metadata's
+  register layout; any contiguous shape, n elements) element ``e`` = ``2**(10 - pos_j)``
+  (exact in fp8 too) of its slot ``j = (e // unit) % cpw`` (``_read_plan``): a tile's
+  staged scales are then one whole-array multiply (row-by-row or slot-by-slot slices cost
+  a warpgroup barrier each: 88 per tile at 2 bits). Written once per program."""
+  width, bias, mant = _POW2_FORMAT[jnp.dtype(dst_ref.dtype)]
+  cpw = len(plan)
+  table = sum((10 - plan[j][1]) << (4 * j) for j in range(cpw))   # 4 bits per slot, cpw <= 8
+  assert all(0 <= 10 - plan[j][1] < 16 for j in range(cpw)) and cpw <= 8
+  table -= (1 << 32) if table >= 1 << 31 else 0
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+  def fn(ctx, dst):
+    del ctx
+    ty = ir.MemRefType(dst.type)
+    n, elem, iw = int(np.prod(ty.shape)), ty.element_type, ir.IntegerType.get_signless(width)
+    tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
+    ptr = mgpu_utils.memref_ptr(dst)
+    for i in range(-(-n // 128)):
+      e = arith.minui(arith.addi(tid, _i32(128 * i)), _i32(n - 1))    # repeats write alike
+      slot = arith.remui(arith.divui(e, _i32(unit)), _i32(cpw))
+      exp = arith.andi(arith.shrui(_i32(table), arith.muli(slot, _i32(4))), _i32(15))
+      bits = arith.shli(arith.addi(exp, _i32(bias)), _i32(mant))       # 2**exp
+      llvm.store(arith.trunci(iw, bits), mgpu_utils.getelementptr(ptr, [e], iw))
+  fn(dst_ref)
+
+
 def _i32(x):
   return arith.constant(ir.IntegerType.get_signless(32), x)
 
@@ -499,6 +531,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
 def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
              o_ref, oo_ref, m_ref, l_ref,
              q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar, kout_smem, vout_smem,
+             kmult_smem, vmult_smem,
              *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
              ilv: bool = False, staged: bool = False, inplace: bool = False,
              ablate: frozenset = frozenset(), own: _Own | None = None):
@@ -527,6 +560,10 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
     plgpu.copy_gmem_to_smem(qo_ref.at[b, h], qo_smem, qbar)
   plgpu.barrier_wait(qbar)
   q_out = [_ld(qo_smem, (o,), COL) for o in range(n_fma)]              # [npad] f32 each
+  if plan is not None:     # read by other threads only after stage_meta's opening barrier
+    _fill_slot_multipliers(kmult_smem, unit=kmult_smem.shape[-1] * SLOT // G, plan=plan)
+    _fill_slot_multipliers(vmult_smem, unit=SLOT, plan=plan)
+    plgpu.commit_smem()
 
   rows = plgpu.broadcasted_iota(jnp.int32, (SLOT, npad), 0, layout=wl)
   bcol = lambda x, shape: lax.broadcast_in_dim(x, shape, [1])          # [npad] along columns
@@ -621,37 +658,23 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
       return _select_halves(pred, lo, pred, hi, r)
     return patch
 
-  def _stage_meta_per_slot(src_s, src_z, dst, is_key):
-    """``in_place_codes``: s2 = s * 2**(10 - pos_j), z2 = z - s2 with slot j's read position
-    (``_read_plan``): keys row by row (each G-token group lies in one slot), values one
-    slot's 64 token columns at a time."""
-    mult = lambda j: jnp.float16(2.0 ** (10 - plan[j][1]))
-    if is_key:
-      for r in range(kr):
-        m = mult(r * G // SLOT)
-        s2 = src_s[r].astype(jnp.float16) * m
-        dst[0, r] = s2
-        dst[1, r] = src_z[r].astype(jnp.float16) - s2
-      return
-    for j in range(cpw):
-      idx = (slice(None),) + tok_idx(j)
-      s2 = src_s[idx].astype(jnp.float16) * mult(j)
-      dst[(0,) + idx] = s2
-      dst[(1,) + idx] = src_z[idx].astype(jnp.float16) - s2
-
-  def stage_meta(*pairs, outliers=()):
+  def stage_meta(*pairs, outliers=(), opening=True):
     """fp8/16-bit metadata of one tile -> (s * 2**bits, z - s * 2**bits) in fp16, in smem;
     pairs: (scales, zeros, destination) of keys and/or values; outliers (``staged``): the
     tile's key and/or value outlier buffers, staged as fp16 (``_stage_outliers``)."""
-    plgpu.commit_smem()                  # every warp is done with the previous tile's copy
+    if opening:    # every warp is done with the previous tile's copy (hand-fetched tiles: the
+      plgpu.commit_smem()      # previous step's last fetch_next already synchronised)
     for src, is_key in outliers:
       if is_key:
         _stage_outliers(src, kout_smem, tokens_major=True, base=lo_col - k_lo)
       else:
         _stage_outliers(src, vout_smem, tokens_major=False)
     for src_s, src_z, dst in pairs:
-      if plan is not None:
-        _stage_meta_per_slot(src_s, src_z, dst, dst is kmeta_smem)
+      if plan is not None:           # s * 2**(10 - pos) of each element's slot: whole-array ops
+        mult = (kmult_smem if dst is kmeta_smem else vmult_smem)[...].astype(jnp.float16)
+        s2 = src_s[...].astype(jnp.float16) * mult
+        dst[0] = s2
+        dst[1] = src_z[...].astype(jnp.float16) - s2
         continue
       if ilv:
         _stage_pairs(src_s, src_z, dst, bits=bits)
@@ -676,7 +699,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
         stage_meta((ks, kz, kmeta_smem), (vs, vz, vmeta_smem),
                    outliers=((ko, True), (vo, False)) if staged else ())
       else:
-        stage_meta((ks, kz, kmeta_smem), outliers=((ko, True),) if staged else ())
+        stage_meta((ks, kz, kmeta_smem), outliers=((ko, True),) if staged else (), opening=False)
     for j0 in range(0, cpw, phase):
       js = range(j0, min(j0 + phase, cpw))
       with jax.named_scope("qk"):     # a region in profile traces
@@ -707,7 +730,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
       if hooks is not None and j0 == 0:
         with jax.named_scope("vwait"):
           hooks.values_ready()
-          stage_meta((vs, vz, vmeta_smem), outliers=((vo, False),) if staged else ())
+          stage_meta((vs, vz, vmeta_smem), outliers=((vo, False),) if staged else (), opening=False)
 
       with jax.named_scope("softmax"):     # a region in profile traces
         # --- one online-softmax update for the phase: a single cross-warp max
@@ -924,11 +947,16 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   ]
   staged = bool(omma and staged_outliers and wgs == 1)   # three programs per CTA: no room (11 KB each)
   # in place: each key group must lie in one slot (its staged scale carries that slot's multiplier)
-  inplace = bool(in_place_codes and lay.config.group_size <= SLOT and not ilv)
+  # (and its slot multipliers need shared memory: not with three programs per CTA)
+  inplace = bool(in_place_codes and lay.config.group_size <= SLOT and not ilv and wgs == 1)
   tile = SLOT * lay.cpw
   if staged:                     # fp16 outliers of a tile: keys [T, W] (their columns, from an even one), values
     k_lo, k_hi = lay.d_low - lay.d_low % 2, lay.d_low + n_out
     scratch += [smem((tile, k_hi - k_lo + k_hi % 2), jnp.float16), smem((n_out, tile // c, c), jnp.float16)]
+  else:
+    scratch += [smem((2, 8), jnp.float16), smem((2, 8), jnp.float16)]       # unused
+  if inplace:                    # per-element slot multipliers of the staged scales (keys, values)
+    scratch += [smem((kr, dp), kv.k_scale.dtype), smem((lay.n_groups_tok, tile // c, c), kv.v_scale.dtype)]
   else:
     scratch += [smem((2, 8), jnp.float16), smem((2, 8), jnp.float16)]       # unused
   assert len(scratch) == _N_COMMON

@@ -62,15 +62,19 @@ def test_lowers_for_cuda(bits, group, phase, inflight, frac, omma, stages, heads
   assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("bits,frac,staged,inplace", [
-    (2, 0.02, False, False), (2, 0.02, True, False), (3, 0.03, True, False), (4, 0.03, True, False),
-    (8, 0.02, True, False), (2, 0.0, True, False), (2, 0.02, True, True), (3, 0.02, True, True),
-    (4, 0.0, False, True), (8, 0.02, True, True)])
-def test_lowers_for_cuda_outlier_staging(bits, frac, staged, inplace):
+@pytest.mark.parametrize("bits,frac,staged,inplace,meta", [
+    (2, 0.02, False, False, "float8_e4m3fn"), (2, 0.02, True, False, "float8_e4m3fn"),
+    (3, 0.03, True, False, "float8_e4m3fn"), (4, 0.03, True, False, "float8_e4m3fn"),
+    (8, 0.02, True, False, "float8_e4m3fn"), (2, 0.0, True, False, "float8_e4m3fn"),
+    (2, 0.02, True, True, "float8_e4m3fn"), (3, 0.02, True, True, "float8_e4m3fn"),
+    (4, 0.0, False, True, "bfloat16"), (8, 0.02, True, True, "float16")])
+def test_lowers_for_cuda_outlier_staging(bits, frac, staged, inplace, meta):
   """Outliers patched per register (staged=False) or staged once per tile as fp16 (3 or 4
   outlier channels: odd and even first columns; 3-bit tiles of 320 tokens, not a multiple
-  of the 128 threads that stage them); codes read in place (``in_place_codes``)."""
-  cfg = kq.KVQuantConfig(bits=bits, group_size=32, outlier_fraction=frac, residual_window=32)
+  of the 128 threads that stage them); codes read in place (``in_place_codes``, its slot
+  multipliers in each metadata dtype)."""
+  cfg = kq.KVQuantConfig(bits=bits, group_size=32, outlier_fraction=frac, residual_window=32,
+                         meta_dtype=meta)
   kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 1, 2, 128, 4096))
   q = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
   fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, staged_outliers=staged,
