@@ -20,9 +20,10 @@ padding on the token axis and the dequantized tiles never leave registers:
   thread, only the pair that scales its own rows and columns (one 32-bit load
   per two columns) and spends three instructions per two values (inline PTX on
   the registers of the MMA operand, see ``_dequant``). ``interleave_meta=True``
-  (fp8 metadata) stages s2 and z2 side by side, converted per thread in inline PTX
-  (``_stage_pairs``), so one 64-bit load replaces two 32-bit ones: correct, but no
-  faster (H200, B=8, 32k: 0.202 against 0.204 ms at phase 8), so off by default.
+  stages, per thread and 16 columns, s2 and z2 of both its 8-column register tiles as
+  four words (``_stage_wide``, converted per thread in inline PTX), so one 128-bit load
+  replaces four 32-bit ones. (Its first form, one 64-bit load per pair, was no faster:
+  H200, B=8, 32k: 0.202 against 0.204 ms in an older kernel.)
   ``in_place_codes=True`` (default) reads each slot where an in-place rotation of the
   words left it (``_read_plan``), two instructions per pair for most slots, with the
   slot's position folded into the staged scale (H200, B=8, 32k: 0.172 against 0.180 ms).
@@ -96,6 +97,7 @@ STAGED_OUTLIERS = True   # outliers_in_mma: each tile's outlier values staged on
                          # MMA register costs a shared load and a select (was ~13 instructions)
 IN_PLACE_CODES = True    # read slots where the rotation left them (_read_plan): fewer rotations
                          # (H200, B=8 32k: 0.172 vs 0.180 ms; B=1 128k 0.130 vs 0.133; SASS 3,249 vs 3,501)
+INTERLEAVE_META = False  # s2/z2 of two register tiles in one 128-bit load (_stage_wide)
 _N_COMMON = 10           # scratch buffers every program has (before its _Own ones)
 SPLIT_FETCH = True       # tiles fetched by hand in key and value halves, each as soon as its
                          # buffers are free (H200: B=8 32k 0.199 -> 0.194 ms, B=1 128k 0.144 -> 0.140)
@@ -125,11 +127,12 @@ def _p_tokens_minor(npad):
 
 
 def _meta_scratch(shape, interleaved, lead=0):
-  """Staged metadata: fp16 ``[2 (s2, z2), *shape]``, or (``_stage_pairs``) i32
-  ``[*shape[:-1], shape[-1] / 2, 2]``: f16x2 bits of s2 and z2 per pair of columns.
+  """Staged metadata: fp16 ``[2 (s2, z2), *shape]``, or (``_stage_wide``) i32
+  ``[*shape[:-1], shape[-1] / 16, 4, 4]``: f16x2 bits of s2 and z2, four words per thread
+  and 16 columns.
   The first ``lead`` dims of ``shape`` stay in front (one slice per warpgroup)."""
   if interleaved:
-    return plgpu.SMEM(shape[:-1] + (shape[-1] // 2, 2), jnp.int32)
+    return plgpu.SMEM(shape[:-1] + (shape[-1] // 16, 4, 4), jnp.int32)
   return plgpu.SMEM(shape[:lead] + (2,) + shape[lead:], jnp.float16)
 
 
@@ -260,8 +263,9 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
   32-bit shared load per pair of columns), so a group boundary between warps costs
   nothing.
 
-  interleaved: ``meta_ref`` is ``i32[..., pairs, 2]`` (``_stage_pairs``: the f16x2 bits of
-  s2 and of z2 side by side), ``meta_index`` gives the pair: one 64-bit load brings both.
+  interleaved: ``meta_ref`` is ``i32[..., L / 16, 4, 4]`` (``_stage_wide``), ``meta_index``
+  gives ``[..., column // 16, quad]``: one 128-bit load brings s2 and z2 of register
+  tiles ``k`` and ``k ^ 1``.
 
   ``patch(mt, k, half, value_i32, patch_ref, row, quad)`` (optional) may replace the
   two fp16 values of a register (as an i32) by others read from ``patch_ref``; it
@@ -294,15 +298,17 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
                        arith.shrui(arith.andi(tid, _i32(31)), _i32(2)))
     for idx in np.ndindex(regs.shape):
       mt, k = idx[0], idx[1]
-      if (mt, k) not in meta:
+      if interleaved and (mt, k) not in meta:      # one load for register tiles k and k ^ 1
+        four = vector.load(ir.VectorType.get((4,), i32), mref,
+                           meta_index(mt, k, warp, quad) + [arith.constant(index, 0)])
+        for kk in (k - k % 2, k - k % 2 + 1):
+          meta[mt, kk] = [vector.extract(four, [], [2 * a + kk % 2]) for a in (0, 1)]
+      elif (mt, k) not in meta:
         ii = meta_index(mt, k, warp, quad)
-        if interleaved:
-          both = vector.load(ir.VectorType.get((2,), i32), mref, ii + [arith.constant(index, 0)])
-          meta[mt, k] = [vector.extract(both, [], [a]) for a in (0, 1)]
-        else:
-          meta[mt, k] = [vector.load(f16x2, mref, [arith.constant(index, a)] + ii) for a in (0, 1)]
+        meta[mt, k] = [mgpu_utils.bitcast(vector.load(f16x2, mref, [arith.constant(index, a)] + ii), i32)
+                       for a in (0, 1)]
       w32 = mgpu_utils.bitcast(regs[idx], i32)
-      s2, z2 = (x if interleaved else mgpu_utils.bitcast(x, i32) for x in meta[mt, k])
+      s2, z2 = meta[mt, k]
       r = llvm.inline_asm(i32, [w32, s2, z2], asm, "=r,r,r,r")
       if patch is not None:
         patched = patch(idx[0], idx[1], idx[4], r, pref[0], row, quad_i32)
@@ -338,37 +344,71 @@ def _store_transposed(x, ref):
   fn(x, ref)
 
 
-def _stage_pairs(s_ref, z_ref, dst_ref, *, bits):
-  """fp8 scales and zero-points (smem, contiguous, n elements) -> ``dst i32[n/2, 2]`` (any
-  shape of that size): for each pair of neighbouring elements the f16x2 bits of
-  ``s * 2**bits`` and of ``z - s * 2**bits`` (rounded once in fp16, as ``_meta_pair``),
-  side by side. Each thread converts n / 128 consecutive elements, four per step: two
-  32-bit loads, four cvt.f16x2.e4m3x2, two HMUL2, two HSUB2 and one 128-bit store."""
-  k2 = ((bits + 15) << 10) * 0x10001                 # 2**bits as two fp16
-  asm = ("{ .reg .b16 sl, sh, zl, zh; .reg .b32 s0, s1, z0, z1, k; "
-         "mov.b32 {sl, sh}, $4; mov.b32 {zl, zh}, $5; "
-         f"mov.b32 k, {k2:#010x}; "
-         "cvt.rn.f16x2.e4m3x2 s0, sl; cvt.rn.f16x2.e4m3x2 s1, sh; "
-         "cvt.rn.f16x2.e4m3x2 z0, zl; cvt.rn.f16x2.e4m3x2 z1, zh; "
-         "mul.rn.f16x2 $0, s0, k; mul.rn.f16x2 $2, s1, k; "
-         "sub.rn.f16x2 $1, z0, $0; sub.rn.f16x2 $3, z1, $2; }")
+def _to_f16x2_asm(dtype):
+  """PTX: two neighbouring metadata elements (``$1``: 16 bits for fp8, else 32) -> f16x2."""
+  if dtype == jnp.float8_e4m3fn:
+    return "cvt.rn.f16x2.e4m3x2 $0, $1;"
+  if dtype == jnp.bfloat16:
+    return ("{ .reg .b16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; "
+            "cvt.f32.bf16 a, l; cvt.f32.bf16 b, h; cvt.rn.f16x2.f32 $0, b, a; }")
+  return "mov.b32 $0, $1;"
+
+
+def _stage_wide(s_ref, z_ref, dst_ref, *, exps, unit):
+  """Scales and zero-points (smem, contiguous, ``[..., L]``, any metadata dtype) -> ``dst
+  i32[..., L / 16, 4, 4]``: for the 16 columns ``16 kk + (0..15)`` and quad ``q``, the
+  f16x2 bits of ``s2`` of columns ``16 kk + 2 q (+1)`` and ``16 kk + 8 + 2 q (+1)``, then
+  ``z2`` of the same, so that one 128-bit load gives a thread the metadata of both
+  8-column register tiles ``(2 kk, 2 kk + 1)`` it holds (``_dequant(interleaved=True)``).
+  ``s2 = s * 2**e``, ``z2 = z - s2`` rounded once in fp16 (as ``_meta_pair``), with ``e =
+  exps[(x // unit) % len(exps)]`` for flat element ``x`` (the slot's multiplier of
+  ``in_place_codes``, or ``bits`` for every slot). Each thread converts 8 consecutive
+  elements per step: two loads, eight conversions (fp8: four), four HMUL2/HSUB2 pairs
+  and eight 32-bit stores."""
+  dtype = jnp.dtype(s_ref.dtype)
+  width = dtype.itemsize * 8
+  conv = _to_f16x2_asm(dtype)
+  cpw = len(exps)
+  assert cpw <= 8 and all(0 <= e < 16 for e in exps) and unit % 8 == 0
+  table = sum(e << (4 * j) for j, e in enumerate(exps))
+  table -= (1 << 32) if table >= 1 << 31 else 0
+  scale_asm = ("{ .reg .b32 m; shl.b32 m, $2, 10; add.u32 m, m, 0x3c00; prmt.b32 m, m, m, 0x1010; "
+               "mul.rn.f16x2 $0, $3, m; sub.rn.f16x2 $1, $4, $0; }")  # m = 2**e in both halves
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)
-  def fn(ctx, s, z, d):
+  def fn(ctx, sr, zr, d):
     del ctx
     i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
-    n = int(np.prod(ir.MemRefType(s.type).shape))
-    per = n // 128
-    start = arith.muli(arith.andi(mgpu_utils.thread_idx(), _i32(127)), _i32(per))
-    sp, zp, dp_ = (mgpu_utils.memref_ptr(x) for x in (s, z, d))
-    out_ty = llvm.StructType.get_literal([i32] * 4)
-    for w in range(per // 4):
-      off = arith.addi(start, _i32(4 * w))
-      sw, zw = (llvm.load(i32, mgpu_utils.getelementptr(p, [off], i8)) for p in (sp, zp))
-      res = llvm.inline_asm(out_ty, [sw, zw], asm, "=r,=r,=r,=r,r,r")
-      vals = [llvm.extractvalue(i32, res, [e]) for e in range(4)]
-      vec = vector.from_elements(ir.VectorType.get((4,), i32), vals)
-      llvm.store(vec, mgpu_utils.getelementptr(dp_, [off], i32), alignment=16)
+    n = int(np.prod(ir.MemRefType(sr.type).shape))
+    assert n % 16 == 0
+    vec_ty = ir.VectorType.get((8 * width // 32,), i32) if width > 8 else ir.VectorType.get((2,), i32)
+    tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
+    sp, zp, dp_ = (mgpu_utils.memref_ptr(x) for x in (sr, zr, d))
+    two = llvm.StructType.get_literal([i32] * 2)
+    for i in range(-(-(n // 8) // 128)):
+      c = arith.minui(arith.addi(tid, _i32(128 * i)), _i32(n // 8 - 1))   # repeats write alike
+      x0 = arith.muli(c, _i32(8))
+      slot = arith.remui(arith.divui(x0, _i32(unit)), _i32(cpw))
+      e = arith.andi(arith.shrui(_i32(table), arith.muli(slot, _i32(4))), _i32(15))
+      byte = arith.muli(x0, _i32(width // 8))
+      sv, zv = (llvm.load(vec_ty, mgpu_utils.getelementptr(p, [byte], i8)) for p in (sp, zp))
+      words = arith.addi(arith.muli(arith.shrui(c, _i32(1)), _i32(16)), arith.andi(c, _i32(1)))
+      for q in range(4):
+        pair = []
+        for v in (sv, zv):
+          if width == 8:     # two fp8 per 16 bits: the q-th half-word
+            w = vector.extract(v, [], [q // 2])
+            if q % 2:
+              w = arith.shrui(w, _i32(16))
+            half = arith.trunci(ir.IntegerType.get_signless(16), w)
+            pair.append(llvm.inline_asm(i32, [half], conv, "=r,h"))
+          else:
+            w = vector.extract(v, [], [q])
+            pair.append(llvm.inline_asm(i32, [w], conv, "=r,r"))
+        res = llvm.inline_asm(two, [e, pair[0], pair[1]], scale_asm, "=r,=r,r,r,r")
+        for a in (0, 1):
+          at = arith.addi(words, _i32(4 * q + 2 * a))
+          llvm.store(llvm.extractvalue(i32, res, [a]), mgpu_utils.getelementptr(dp_, [at], i32))
   fn(s_ref, z_ref, dst_ref)
 
 
@@ -560,7 +600,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
     plgpu.copy_gmem_to_smem(qo_ref.at[b, h], qo_smem, qbar)
   plgpu.barrier_wait(qbar)
   q_out = [_ld(qo_smem, (o,), COL) for o in range(n_fma)]              # [npad] f32 each
-  if plan is not None:     # read by other threads only after stage_meta's opening barrier
+  if plan is not None and not ilv:     # read by other threads only after this barrier
     _fill_slot_multipliers(kmult_smem, unit=kmult_smem.shape[-1] * SLOT // G, plan=plan)
     _fill_slot_multipliers(vmult_smem, unit=SLOT, plan=plan)
     plgpu.commit_smem()
@@ -572,17 +612,18 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
   def k_meta_index(j):
     # keys: rows are tokens (slot j, warp's 16 rows: one G-token group), columns channels
     # (interleaved: column pairs)
-    col = (lambda k, quad: _affine(4 * k, 1, quad)) if ilv else (lambda k, quad: _affine(8 * k, 2, quad))
-    return lambda mt, k, warp, quad: [_affine(j * SLOT, 16, warp, div=G), col(k, quad)]
+    col = ((lambda k, quad: [_ix(k // 2), quad]) if ilv
+           else (lambda k, quad: [_affine(8 * k, 2, quad)]))
+    return lambda mt, k, warp, quad: [_affine(j * SLOT, 16, warp, div=G)] + col(k, quad)
 
   def v_meta_index(j):
     # v^T: rows are channels (one G-channel group per warp), columns the slot's tokens
     # (interleaved: token pairs)
     t0 = j * SLOT
-    col = ((lambda k, quad: _affine((t0 % C) // 2 + 4 * k, 1, quad)) if ilv
-           else (lambda k, quad: _affine(t0 % C + 8 * k, 2, quad)))
+    col = ((lambda k, quad: [_ix((t0 % C) // 16 + k // 2), quad]) if ilv
+           else (lambda k, quad: [_affine(t0 % C + 8 * k, 2, quad)]))
     return lambda mt, k, warp, quad: [_affine(64 * mt, 16, warp, div=G, cap=ng - 1),
-                                      _ix(t0 // C), col(k, quad)]
+                                      _ix(t0 // C)] + col(k, quad)
 
   k_lo = lo_col - lo_col % 2                        # first column of kout_smem (even: pairs align)
   k_w = kout_smem.shape[-1]
@@ -670,14 +711,16 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
       else:
         _stage_outliers(src, vout_smem, tokens_major=False)
     for src_s, src_z, dst in pairs:
+      if ilv:
+        is_key = dst is kmeta_smem
+        exps = [10 - plan[j][1] for j in range(cpw)] if plan is not None else [bits]
+        _stage_wide(src_s, src_z, dst, exps=exps, unit=dp * SLOT // G if is_key else SLOT)
+        continue
       if plan is not None:           # s * 2**(10 - pos) of each element's slot: whole-array ops
         mult = (kmult_smem if dst is kmeta_smem else vmult_smem)[...].astype(jnp.float16)
         s2 = src_s[...].astype(jnp.float16) * mult
         dst[0] = s2
         dst[1] = src_z[...].astype(jnp.float16) - s2
-        continue
-      if ilv:
-        _stage_pairs(src_s, src_z, dst, bits=bits)
         continue
       s2, z2 = _meta_pair(src_s[...], src_z[...], bits)
       dst[0] = s2
@@ -885,7 +928,7 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
 
 def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=PHASE_SLOTS,
                        inflight=1, outliers_in_mma=True, stages=STAGES, heads_pad=None,
-                       interleave_meta=False, warpgroups=1, split_fetch=SPLIT_FETCH,
+                       interleave_meta=INTERLEAVE_META, warpgroups=1, split_fetch=SPLIT_FETCH,
                        staged_outliers=STAGED_OUTLIERS, in_place_codes=IN_PLACE_CODES, profile_dir="",
                        ablate=frozenset()):
   """Kernel partials over the quantized region.
@@ -903,8 +946,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   phase = lay.cpw if phase_slots is None else max(1, min(int(phase_slots), lay.cpw))
   omma = bool(outliers_in_mma and n_out and lay.d_low + n_out <= dp)
   kr = max(1, SLOT * lay.cpw // lay.config.group_size)
-  ilv = bool(interleave_meta and lay.config.meta_dtype == "float8_e4m3fn"
-             and (kr * dp) % 512 == 0 and (lay.n_groups_tok * SLOT * lay.cpw) % 512 == 0)
+  ilv = bool(interleave_meta)
   lo_idx = kq.low_channel_index(kv.k_outlier_idx, d)
   q_lo = jnp.take_along_axis(qg, lo_idx[:, :, None, :], axis=3)
   q_out = jnp.take_along_axis(qg, kv.k_outlier_idx[:, :, None, :], axis=3)       # [B,H,g,n_out]
@@ -948,14 +990,14 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   staged = bool(omma and staged_outliers and wgs == 1)   # three programs per CTA: no room (11 KB each)
   # in place: each key group must lie in one slot (its staged scale carries that slot's multiplier)
   # (and its slot multipliers need shared memory: not with three programs per CTA)
-  inplace = bool(in_place_codes and lay.config.group_size <= SLOT and not ilv and wgs == 1)
+  inplace = bool(in_place_codes and lay.config.group_size <= SLOT and wgs == 1)
   tile = SLOT * lay.cpw
   if staged:                     # fp16 outliers of a tile: keys [T, W] (their columns, from an even one), values
     k_lo, k_hi = lay.d_low - lay.d_low % 2, lay.d_low + n_out
     scratch += [smem((tile, k_hi - k_lo + k_hi % 2), jnp.float16), smem((n_out, tile // c, c), jnp.float16)]
   else:
     scratch += [smem((2, 8), jnp.float16), smem((2, 8), jnp.float16)]       # unused
-  if inplace:                    # per-element slot multipliers of the staged scales (keys, values)
+  if inplace and not ilv:        # per-element slot multipliers of the staged scales (keys, values)
     scratch += [smem((kr, dp), kv.k_scale.dtype), smem((lay.n_groups_tok, tile // c, c), kv.v_scale.dtype)]
   else:
     scratch += [smem((2, 8), jnp.float16), smem((2, 8), jnp.float16)]       # unused
@@ -1003,7 +1045,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                                              "staged_outliers", "in_place_codes", "profile_dir", "ablate"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
-                          heads_pad=None, interleave_meta=False, warpgroups=1, split_fetch=SPLIT_FETCH,
+                          heads_pad=None, interleave_meta=INTERLEAVE_META, warpgroups=1, split_fetch=SPLIT_FETCH,
                           staged_outliers=STAGED_OUTLIERS, in_place_codes=IN_PLACE_CODES, profile_dir="",
                           ablate: frozenset = frozenset()):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through

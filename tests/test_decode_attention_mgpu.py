@@ -83,6 +83,23 @@ def test_lowers_for_cuda_outlier_staging(bits, frac, staged, inplace, meta):
   assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("bits,meta,inplace,wgs", [
+    (2, "float8_e4m3fn", True, 1), (3, "bfloat16", True, 1), (4, "float16", False, 1),
+    (8, "float8_e4m3fn", True, 1), (2, "float8_e4m3fn", False, 2)])
+def test_lowers_for_cuda_interleaved_meta(bits, meta, inplace, wgs):
+  """interleave_meta: s2/z2 of two register tiles staged as four words per thread
+  (``_stage_wide``, every metadata dtype; with the slot multipliers of in_place_codes or
+  2**bits; 3-bit tiles of 320 tokens; two programs per CTA)."""
+  cfg = kq.KVQuantConfig(bits=bits, group_size=32, outlier_fraction=0.02, residual_window=32,
+                         meta_dtype=meta)
+  kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 1, 2, 128, 4096))
+  q = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
+  fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, interleave_meta=True,
+                                              in_place_codes=inplace, warpgroups=wgs)
+  text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
 @pytest.mark.parametrize("bits,phase", [(2, 8), (2, 4), (2, 3), (3, 5), (3, 2), (4, 4), (4, 1), (8, 2)])
 def test_read_plan_places_every_slot_inside_the_mantissa(bits, phase):
   """in_place_codes: after the plan's rotations (cumulative within a phase, reset when a
