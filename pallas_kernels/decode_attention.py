@@ -435,7 +435,9 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
 # 2-bit + 2 %), triton / mosaic ms: B=1 4k 0.097 / 0.125; B=8 4k 0.084 / 0.118 (short
 # sequences: Triton); B=1 32k 0.094 / 0.074; B=1 128k 0.215 / 0.135; B=8 32k 0.375 / 0.177.
 # (Session 5, before staged outliers, B=1 32k was 0.110 / 0.115.) 64k tokens of 4k-token
-# sequences, e.g. B=16 4k, were not timed.
+# sequences, e.g. B=16 4k, were not timed. Session 7's bench (in_place_codes) had B=1 32k
+# at 0.098 / 0.134, but small calls were noisy on that machine (one Mosaic variant 0.087 and
+# 0.226 ms in one process; XLA 0.075 against 0.062 before), so the rule was left alone.
 MOSAIC_MIN_TOKENS = 65536
 MOSAIC_MIN_CONTEXT = 32768
 
