@@ -55,6 +55,8 @@ def main():
   ap.add_argument("--inplace", type=int, nargs="*", default=[int(dm.IN_PLACE_CODES)],
                   help="in_place_codes values to try (1: slots read where a rotation left them, "
                        "three rotations per eight 2-bit slots instead of seven)")
+  ap.add_argument("--loopdesc", type=int, nargs="*", default=[int(dm.LOOP_DESCRIPTORS)],
+                  help="loop_descriptors values to try (1: MMA descriptors rebuilt in the loop)")
   ap.add_argument("--outliers", type=float, default=0.02)
   ap.add_argument("--ptxas", default=None)
   ap.add_argument("--trace", default=None,
@@ -69,13 +71,13 @@ def main():
       cfg = kq.KVQuantConfig(bits=bits, outlier_fraction=a.outliers, residual_window=32, sink_tokens=4)
       cc = kq.quantize_kv(kc, vc, cfg, max_len=1024, lengths=jnp.array([1000, 517, 3]))
       ref = reference.quantized_decode_attention(qc, cc)
-      for om, wg, ph, sf, so, ip in itertools.product(a.omma, a.warpgroups, a.phase,
-                                                      a.split, a.staged, a.inplace):
+      for om, wg, ph, sf, so, ip, ld in itertools.product(a.omma, a.warpgroups, a.phase,
+                                                          a.split, a.staged, a.inplace, a.loopdesc):
         try:
           out = dm.decode_attention_mgpu(qc, cc, sm_scale=D ** -0.5, outliers_in_mma=bool(om),
                                          stages=a.stages[0], warpgroups=wg,
                                          phase_slots=ph, split_fetch=bool(sf), staged_outliers=bool(so),
-                                         in_place_codes=bool(ip))
+                                         in_place_codes=bool(ip), loop_descriptors=bool(ld))
         except Exception as e:            # errors may carry a whole module: keep both ends
           msg = str(e)
           print(f"check warpgroups={wg} phase={ph}: {type(e).__name__}: {msg[:300]} ... {msg[-300:]}",
@@ -84,7 +86,7 @@ def main():
         err = float(jnp.linalg.norm((out - ref).astype(jnp.float32))
                     / jnp.linalg.norm(ref.astype(jnp.float32)))
         print(f"check bits={bits} outliers_in_mma={om} warpgroups={wg} phase={ph} split={sf} "
-              f"staged={so} inplace={ip}: "
+              f"staged={so} inplace={ip} loopdesc={ld}: "
               f"rel err {err:.2e}", flush=True)
   k, v = make_kv(jax.random.key(0), a.b, a.t)
   q = jax.random.normal(jax.random.key(1), (a.b, HQ, D), jnp.bfloat16)
@@ -94,15 +96,17 @@ def main():
   for ns in a.splits:
     for ph in a.phase:
       for fl in a.inflight:
-        for om, st, hp, wg, sf, so, ip, ab in itertools.product(
-            a.omma, a.stages, a.heads_pad, a.warpgroups, a.split, a.staged, a.inplace, a.ablate):
+        for om, st, hp, wg, sf, so, ip, ld, ab in itertools.product(
+            a.omma, a.stages, a.heads_pad, a.warpgroups, a.split, a.staged, a.inplace, a.loopdesc,
+            a.ablate):
             ab = frozenset() if ab == "-" else frozenset(ab.split(","))
-            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om, st=st, hp=hp, wg=wg, sf=sf, so=so, ip=ip:
+            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om, st=st, hp=hp, wg=wg, sf=sf, so=so, ip=ip, ld=ld:
                         dm.decode_attention_mgpu(
                             q, c, sm_scale=D ** -0.5, num_splits=ns, phase_slots=ph, inflight=fl,
                             outliers_in_mma=bool(om), stages=st, heads_pad=hp or None,
                             warpgroups=wg, split_fetch=bool(sf),
-                            staged_outliers=bool(so), in_place_codes=bool(ip), ablate=ab))
+                            staged_outliers=bool(so), in_place_codes=bool(ip),
+                            loop_descriptors=bool(ld), ablate=ab))
             try:
               tm = timeit(f, sets)
             except Exception as e:        # e.g. a variant over the shared-memory limit
@@ -113,7 +117,7 @@ def main():
               big_ref = reference.quantized_decode_attention(q, c) if big_ref is None else big_ref
               out = f(q, c).astype(jnp.float32)
               err = f" rel err {float(jnp.linalg.norm(out - big_ref) / jnp.linalg.norm(big_ref)):.2e}"
-            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} heads_pad={hp} wg={wg} split={sf} staged={so} inplace={ip} "
+            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} heads_pad={hp} wg={wg} split={sf} staged={so} inplace={ip} loopdesc={ld} "
                   f"ablate={','.join(sorted(ab)) or '-':10s} {tm * 1e3:8.3f} ms "
                   f"{c.nbytes / tm / 1e12:5.2f} TB/s{err}", flush=True)
   if a.trace:
@@ -121,7 +125,8 @@ def main():
     f = jax.jit(lambda q, c: dm.decode_attention_mgpu(q, c, sm_scale=D ** -0.5, profile_dir=a.trace,
                                                       split_fetch=bool(a.split[-1]),
                                                       staged_outliers=bool(a.staged[-1]),
-                                                      in_place_codes=bool(a.inplace[-1])))
+                                                      in_place_codes=bool(a.inplace[-1]),
+                                                      loop_descriptors=bool(a.loopdesc[-1])))
     for _ in range(2):                # the second call's trace is read (the first one compiles)
       jax.block_until_ready(f(q, c))
     summarize_trace(max(glob.glob(f"{a.trace}/*trace.json"), key=os.path.getmtime))
