@@ -48,6 +48,23 @@ def stall_cycles(hex_lines):
   return total
 
 
+def stalls_by_opcode(hex_lines):
+  """Stall cycles (as ``stall_cycles``) summed per opcode: which instructions the static
+  schedule waits on."""
+  c, op = collections.Counter(), None
+  for l in hex_lines:
+    m = re.search(r"/\* (0x[0-9a-f]{16}) \*/\s*$", l)
+    if not m:
+      continue
+    if op is not None:
+      c[op] += (int(m.group(1), 16) >> 41) & 0xF
+      op = None
+      continue
+    mo = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", l)
+    op = mo.group(1) if mo else None
+  return c
+
+
 def histogram(lines):
   c = collections.Counter()
   for l in lines:
@@ -81,6 +98,8 @@ def main():
   print(f"loop lines {lo}-{hi}: {sum(c.values())} instructions, "
         f"{stall_cycles(sass[lo:hi + 2])} stall cycles per warp (static schedule)")
   print("  " + ", ".join(f"{op} {n}" for op, n in c.most_common(40)))
+  print("  stall cycles by opcode: " + ", ".join(
+      f"{op} {n}" for op, n in stalls_by_opcode(sass[lo:hi + 2]).most_common(16)))
 
 
 if __name__ == "__main__":

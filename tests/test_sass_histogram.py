@@ -41,3 +41,5 @@ def test_stall_cycles_reads_bits_41_to_44_of_each_high_word():
       f"                                                                               /* {high(5)} */",
   ]
   assert stall_cycles(listing) == 7
+  from experiments.sass_histogram import stalls_by_opcode
+  assert stalls_by_opcode(listing + listing[:2]) == {"LOP3": 4, "HFMA2": 5}
