@@ -3,8 +3,9 @@
 The CPU test suite runs the kernel in interpret mode, where the dequantization is
 plain jnp; this script checks the inline-PTX path the GPU compiles.
 Usage (device machine): PYTHONPATH=. python3 experiments/check_decode_gpu.py [--quick] [--mosaic]
-[--no-inplace] [--loop-descriptors] (--mosaic: the Mosaic GPU kernel, on the layouts it
-supports; --no-inplace: in_place_codes=False; --loop-descriptors: loop_descriptors=True)
+[--no-inplace] [--interleave] [--loop-descriptors] (--mosaic: the Mosaic GPU kernel, on the
+layouts it supports; --no-inplace: in_place_codes=False; --interleave: interleave_meta=True;
+--loop-descriptors: loop_descriptors=True)
 """
 import itertools
 import sys
@@ -43,9 +44,11 @@ def main():
                            max_len=1024, lengths=lengths)
     if backend == "mosaic" and not mgpu.supports(cache.layout, ratio):
       continue
-    if backend == "mosaic" and ("--no-inplace" in sys.argv or "--loop-descriptors" in sys.argv):
+    options = ("--no-inplace", "--interleave", "--loop-descriptors")
+    if backend == "mosaic" and any(o in sys.argv for o in options):
       out = mgpu.decode_attention_mgpu(q, cache, sm_scale=d ** -0.5,
                                        in_place_codes="--no-inplace" not in sys.argv,
+                                       interleave_meta="--interleave" in sys.argv,
                                        loop_descriptors="--loop-descriptors" in sys.argv)
     else:
       out = decode_attention(q, cache, backend=backend)

@@ -40,6 +40,8 @@ def main():
   ap.add_argument("--ablate", nargs="*", default=["-"])
   ap.add_argument("--inflight", type=int, nargs="*", default=[1])
   ap.add_argument("--stages", type=int, nargs="*", default=[dm.STAGES], help="TMA pipeline depths to try")
+  ap.add_argument("--interleave", type=int, nargs="*", default=[int(dm.INTERLEAVE_META)],
+                  help="interleave_meta values to try (1: s2/z2 of two register tiles in one 128-bit load)")
   ap.add_argument("--heads-pad", type=int, nargs="*", default=[0],
                   help="MMA N (query heads padded) to try; 0 = the kernel's choice")
   ap.add_argument("--omma", type=int, nargs="*", default=[1],
@@ -71,11 +73,12 @@ def main():
       cfg = kq.KVQuantConfig(bits=bits, outlier_fraction=a.outliers, residual_window=32, sink_tokens=4)
       cc = kq.quantize_kv(kc, vc, cfg, max_len=1024, lengths=jnp.array([1000, 517, 3]))
       ref = reference.quantized_decode_attention(qc, cc)
-      for om, wg, ph, sf, so, ip, ld in itertools.product(a.omma, a.warpgroups, a.phase,
-                                                          a.split, a.staged, a.inplace, a.loopdesc):
+      for om, il, wg, ph, sf, so, ip, ld in itertools.product(a.omma, a.interleave, a.warpgroups,
+                                                              a.phase, a.split, a.staged, a.inplace,
+                                                              a.loopdesc):
         try:
           out = dm.decode_attention_mgpu(qc, cc, sm_scale=D ** -0.5, outliers_in_mma=bool(om),
-                                         stages=a.stages[0], warpgroups=wg,
+                                         stages=a.stages[0], interleave_meta=bool(il), warpgroups=wg,
                                          phase_slots=ph, split_fetch=bool(sf), staged_outliers=bool(so),
                                          in_place_codes=bool(ip), loop_descriptors=bool(ld))
         except Exception as e:            # errors may carry a whole module: keep both ends
@@ -85,7 +88,7 @@ def main():
           continue
         err = float(jnp.linalg.norm((out - ref).astype(jnp.float32))
                     / jnp.linalg.norm(ref.astype(jnp.float32)))
-        print(f"check bits={bits} outliers_in_mma={om} warpgroups={wg} phase={ph} split={sf} "
+        print(f"check bits={bits} outliers_in_mma={om} ilv={il} warpgroups={wg} phase={ph} split={sf} "
               f"staged={so} inplace={ip} loopdesc={ld}: "
               f"rel err {err:.2e}", flush=True)
   k, v = make_kv(jax.random.key(0), a.b, a.t)
@@ -96,15 +99,15 @@ def main():
   for ns in a.splits:
     for ph in a.phase:
       for fl in a.inflight:
-        for om, st, hp, wg, sf, so, ip, ld, ab in itertools.product(
-            a.omma, a.stages, a.heads_pad, a.warpgroups, a.split, a.staged, a.inplace, a.loopdesc,
-            a.ablate):
+        for om, st, hp, il, wg, sf, so, ip, ld, ab in itertools.product(
+            a.omma, a.stages, a.heads_pad, a.interleave, a.warpgroups, a.split, a.staged, a.inplace,
+            a.loopdesc, a.ablate):
             ab = frozenset() if ab == "-" else frozenset(ab.split(","))
-            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om, st=st, hp=hp, wg=wg, sf=sf, so=so, ip=ip, ld=ld:
+            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om, st=st, hp=hp, il=il, wg=wg, sf=sf, so=so, ip=ip, ld=ld:
                         dm.decode_attention_mgpu(
                             q, c, sm_scale=D ** -0.5, num_splits=ns, phase_slots=ph, inflight=fl,
                             outliers_in_mma=bool(om), stages=st, heads_pad=hp or None,
-                            warpgroups=wg, split_fetch=bool(sf),
+                            interleave_meta=bool(il), warpgroups=wg, split_fetch=bool(sf),
                             staged_outliers=bool(so), in_place_codes=bool(ip),
                             loop_descriptors=bool(ld), ablate=ab))
             try:
@@ -117,7 +120,7 @@ def main():
               big_ref = reference.quantized_decode_attention(q, c) if big_ref is None else big_ref
               out = f(q, c).astype(jnp.float32)
               err = f" rel err {float(jnp.linalg.norm(out - big_ref) / jnp.linalg.norm(big_ref)):.2e}"
-            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} heads_pad={hp} wg={wg} split={sf} staged={so} inplace={ip} loopdesc={ld} "
+            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} heads_pad={hp} ilv={il} wg={wg} split={sf} staged={so} inplace={ip} loopdesc={ld} "
                   f"ablate={','.join(sorted(ab)) or '-':10s} {tm * 1e3:8.3f} ms "
                   f"{c.nbytes / tm / 1e12:5.2f} TB/s{err}", flush=True)
   if a.trace:

@@ -19,10 +19,13 @@ padding on the token axis and the dequantized tiles never leave registers:
   z - s * 2**bits)`` in shared memory; the dequantization then loads, per
   thread, only the pair that scales its own rows and columns (one 32-bit load
   per two columns) and spends three instructions per two values (inline PTX on
-  the registers of the MMA operand, see ``_dequant``). Wider metadata loads were
-  refuted twice: one 64-bit load per pair (0.202 against 0.204 ms, H200, B=8, 32k, an
-  older kernel) and one 128-bit load per two register tiles (0.185 against 0.172 ms,
-  128 B spilled instead of 80: the four words stay live); see docs/benchmarks.md.
+  the registers of the MMA operand, see ``_dequant``). ``interleave_meta=True``
+  stages, per thread and 16 columns, s2 and z2 of both its 8-column register tiles as
+  four words (``_stage_wide``, converted per thread in inline PTX), so one 128-bit load
+  replaces four 32-bit ones. Off: alone it is slower (H200, B=8, 32k: 0.185 against 0.172
+  ms; 128 B spilled, the four words stay live), but with ``loop_descriptors`` the offline
+  SASS has no spills and a third fewer static stalls (not yet timed). (Its first form, one
+  64-bit load per pair, was no faster: 0.202 against 0.204 ms in an older kernel.)
   ``in_place_codes=True`` (default) reads each slot where an in-place rotation of the
   words left it (``_read_plan``), two instructions per pair for most slots, with the
   slot's position folded into the staged scale (H200, B=8, 32k: 0.172 against 0.180 ms).
@@ -103,6 +106,7 @@ STAGED_OUTLIERS = True   # outliers_in_mma: each tile's outlier values staged on
                          # MMA register costs a shared load and a select (was ~13 instructions)
 IN_PLACE_CODES = True    # read slots where the rotation left them (_read_plan): fewer rotations
                          # (H200, B=8 32k: 0.172 vs 0.180 ms; B=1 128k 0.130 vs 0.133; SASS 3,249 vs 3,501)
+INTERLEAVE_META = False  # s2/z2 of two register tiles in one 128-bit load (_stage_wide)
 LOOP_DESCRIPTORS = False # MMA descriptors formed in the loop, not held in registers across it
                          # (_descriptors_in_loop; offline SASS: no spills, -8 % instr.; not yet timed)
 _N_COMMON = 10           # scratch buffers every program has (before its _Own ones)
@@ -133,9 +137,13 @@ def _p_tokens_minor(npad):
   return npad * 2 < 32
 
 
-def _meta_scratch(shape, lead=0):
-  """Staged metadata: fp16 ``[2 (s2, z2), *shape]``. The first ``lead`` dims of ``shape``
-  stay in front (one slice per warpgroup)."""
+def _meta_scratch(shape, interleaved, lead=0):
+  """Staged metadata: fp16 ``[2 (s2, z2), *shape]``, or (``_stage_wide``) i32
+  ``[*shape[:-1], shape[-1] / 16, 4, 4]``: f16x2 bits of s2 and z2, four words per thread
+  and 16 columns.
+  The first ``lead`` dims of ``shape`` stay in front (one slice per warpgroup)."""
+  if interleaved:
+    return plgpu.SMEM(shape[:-1] + (shape[-1] // 16, 4, 4), jnp.int32)
   return plgpu.SMEM(shape[:lead] + (2,) + shape[lead:], jnp.float16)
 
 
@@ -252,7 +260,7 @@ def _rotate_words(words, r):
 
 
 def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=None,
-             timing_form="", pos=None):
+             interleaved=False, timing_form="", pos=None):
   """uint16 code words [M, N] (WGMMA layout) -> fp16 [M, N] (WGMMA layout), in registers.
 
   meta_ref: shared memory ``f16[2, ...]`` holding ``s2 = s * 2**bits`` (``[0]``) and
@@ -265,6 +273,10 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
   ``8 k + 2 quad (+ 1)``. Each thread loads only the metadata of its own rows (one
   32-bit shared load per pair of columns), so a group boundary between warps costs
   nothing.
+
+  interleaved: ``meta_ref`` is ``i32[..., L / 16, 4, 4]`` (``_stage_wide``), ``meta_index``
+  gives ``[..., column // 16, quad]``: one 128-bit load brings s2 and z2 of register
+  tiles ``k`` and ``k ^ 1``.
 
   ``patch(mt, k, half, value_i32, patch_ref, row, quad)`` (optional) may replace the
   two fp16 values of a register (as an i32) by others read from ``patch_ref``; it
@@ -297,7 +309,12 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
                        arith.shrui(arith.andi(tid, _i32(31)), _i32(2)))
     for idx in np.ndindex(regs.shape):
       mt, k = idx[0], idx[1]
-      if (mt, k) not in meta:
+      if interleaved and (mt, k) not in meta:      # one load for register tiles k and k ^ 1
+        four = vector.load(ir.VectorType.get((4,), i32), mref,
+                           meta_index(mt, k, warp, quad) + [arith.constant(index, 0)])
+        for kk in (k - k % 2, k - k % 2 + 1):
+          meta[mt, kk] = [vector.extract(four, [], [2 * a + kk % 2]) for a in (0, 1)]
+      elif (mt, k) not in meta:
         ii = meta_index(mt, k, warp, quad)
         meta[mt, k] = [mgpu_utils.bitcast(vector.load(f16x2, mref, [arith.constant(index, a)] + ii), i32)
                        for a in (0, 1)]
@@ -336,6 +353,74 @@ def _store_transposed(x, ref):
         bits16 = arith.trunci(i16, pair if e == 0 else arith.shrui(pair, _i32(16)))
         memref.store(arith.bitcast(f16, bits16), mref, [zero, zero, _index(n), _index(col)])
   fn(x, ref)
+
+
+def _to_f16x2_asm(dtype):
+  """PTX: two neighbouring metadata elements (``$1``: 16 bits for fp8, else 32) -> f16x2."""
+  if dtype == jnp.float8_e4m3fn:
+    return "cvt.rn.f16x2.e4m3x2 $0, $1;"
+  if dtype == jnp.bfloat16:
+    return ("{ .reg .b16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; "
+            "cvt.f32.bf16 a, l; cvt.f32.bf16 b, h; cvt.rn.f16x2.f32 $0, b, a; }")
+  return "mov.b32 $0, $1;"
+
+
+def _stage_wide(s_ref, z_ref, dst_ref, *, exps, unit):
+  """Scales and zero-points (smem, contiguous, ``[..., L]``, any metadata dtype) -> ``dst
+  i32[..., L / 16, 4, 4]``: for the 16 columns ``16 kk + (0..15)`` and quad ``q``, the
+  f16x2 bits of ``s2`` of columns ``16 kk + 2 q (+1)`` and ``16 kk + 8 + 2 q (+1)``, then
+  ``z2`` of the same, so that one 128-bit load gives a thread the metadata of both
+  8-column register tiles ``(2 kk, 2 kk + 1)`` it holds (``_dequant(interleaved=True)``).
+  ``s2 = s * 2**e``, ``z2 = z - s2`` rounded once in fp16 (as ``_meta_pair``), with ``e =
+  exps[(x // unit) % len(exps)]`` for flat element ``x`` (the slot's multiplier of
+  ``in_place_codes``, or ``bits`` for every slot). Each thread converts 8 consecutive
+  elements per step: two loads, eight conversions (fp8: four), four HMUL2/HSUB2 pairs
+  and eight 32-bit stores."""
+  dtype = jnp.dtype(s_ref.dtype)
+  width = dtype.itemsize * 8
+  conv = _to_f16x2_asm(dtype)
+  cpw = len(exps)
+  assert cpw <= 8 and all(0 <= e < 16 for e in exps) and unit % 8 == 0
+  table = sum(e << (4 * j) for j, e in enumerate(exps))
+  table -= (1 << 32) if table >= 1 << 31 else 0
+  scale_asm = ("{ .reg .b32 m; shl.b32 m, $2, 10; add.u32 m, m, 0x3c00; prmt.b32 m, m, m, 0x1010; "
+               "mul.rn.f16x2 $0, $3, m; sub.rn.f16x2 $1, $4, $0; }")  # m = 2**e in both halves
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)
+  def fn(ctx, sr, zr, d):
+    del ctx
+    i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+    n = int(np.prod(ir.MemRefType(sr.type).shape))
+    assert n % 16 == 0
+    vec_ty = ir.VectorType.get((8 * width // 32,), i32) if width > 8 else ir.VectorType.get((2,), i32)
+    tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
+    sp, zp, dp_ = (mgpu_utils.memref_ptr(x) for x in (sr, zr, d))
+    two = llvm.StructType.get_literal([i32] * 2)
+    for i in range(-(-(n // 8) // 128)):
+      c = arith.minui(arith.addi(tid, _i32(128 * i)), _i32(n // 8 - 1))   # repeats write alike
+      x0 = arith.muli(c, _i32(8))
+      slot = arith.remui(arith.divui(x0, _i32(unit)), _i32(cpw))
+      e = arith.andi(arith.shrui(_i32(table), arith.muli(slot, _i32(4))), _i32(15))
+      byte = arith.muli(x0, _i32(width // 8))
+      sv, zv = (llvm.load(vec_ty, mgpu_utils.getelementptr(p, [byte], i8)) for p in (sp, zp))
+      words = arith.addi(arith.muli(arith.shrui(c, _i32(1)), _i32(16)), arith.andi(c, _i32(1)))
+      for q in range(4):
+        pair = []
+        for v in (sv, zv):
+          if width == 8:     # two fp8 per 16 bits: the q-th half-word
+            w = vector.extract(v, [], [q // 2])
+            if q % 2:
+              w = arith.shrui(w, _i32(16))
+            half = arith.trunci(ir.IntegerType.get_signless(16), w)
+            pair.append(llvm.inline_asm(i32, [half], conv, "=r,h"))
+          else:
+            w = vector.extract(v, [], [q])
+            pair.append(llvm.inline_asm(i32, [w], conv, "=r,r"))
+        res = llvm.inline_asm(two, [e, pair[0], pair[1]], scale_asm, "=r,=r,r,r,r")
+        for a in (0, 1):
+          at = arith.addi(words, _i32(4 * q + 2 * a))
+          llvm.store(llvm.extractvalue(i32, res, [a]), mgpu_utils.getelementptr(dp_, [at], i32))
+  fn(s_ref, z_ref, dst_ref)
 
 
 def _stage_outliers(src_ref, dst_ref, *, tokens_major, base=0):
@@ -496,7 +581,7 @@ class _Own(NamedTuple):
 def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
             o_ref, oo_ref, m_ref, l_ref, *scratch,
             lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
-            wgs: int = 1, split: bool = False, staged: bool = False,
+            ilv: bool = False, wgs: int = 1, split: bool = False, staged: bool = False,
             inplace: bool = False, loop_desc: bool = False, ablate: frozenset = frozenset()):
   """One program: b, h and split from the grid (``wgs == 1``), or ``wgs`` programs per CTA,
   one per warpgroup, each with its own slice (``.at[wg]``) of every scratch buffer: the
@@ -510,7 +595,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
       own = own._replace(kbar=own.kbar.at[0], vbar=own.vbar.at[0])
     _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
              o_ref, oo_ref, m_ref, l_ref, *common, lay=lay, bps=bps, phase=phase, inflight=inflight,
-             omma=omma, stages=stages, npad=npad, staged=staged, inplace=inplace,
+             omma=omma, stages=stages, npad=npad, ilv=ilv, staged=staged, inplace=inplace,
              loop_desc=loop_desc, ablate=ablate, own=own)
     return
   wg = lax.axis_index("wg")
@@ -524,7 +609,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
     _program(prog // (nh * ns), (prog // ns) % nh, prog % ns, nq_ref, q_ref, qo_ref, kc_ref, ks_ref,
              kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref, o_ref, oo_ref, m_ref, l_ref, *common,
              lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma, stages=stages, npad=npad,
-             staged=staged, inplace=inplace, loop_desc=loop_desc, ablate=ablate, own=own)
+             ilv=ilv, staged=staged, inplace=inplace, loop_desc=loop_desc, ablate=ablate, own=own)
 
 
 def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
@@ -532,7 +617,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
              q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar, kout_smem, vout_smem,
              kmult_smem, vmult_smem,
              *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
-             staged: bool = False, inplace: bool = False, loop_desc: bool = False,
+             ilv: bool = False, staged: bool = False, inplace: bool = False, loop_desc: bool = False,
              ablate: frozenset = frozenset(), own: _Own | None = None):
   """With ``own`` the tiles are fetched by hand, one tile in flight in two halves: the next
   tile's keys as soon as this tile's key buffers are read (after the score MMAs), its values
@@ -561,7 +646,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
     plgpu.copy_gmem_to_smem(qo_ref.at[b, h], qo_smem, qbar)
   plgpu.barrier_wait(qbar)
   q_out = [_ld(qo_smem, (o,), COL) for o in range(n_fma)]              # [npad] f32 each
-  if plan is not None:     # read by other threads only after this barrier
+  if plan is not None and not ilv:     # read by other threads only after this barrier
     _fill_slot_multipliers(kmult_smem, unit=kmult_smem.shape[-1] * SLOT // G, plan=plan)
     _fill_slot_multipliers(vmult_smem, unit=SLOT, plan=plan)
     plgpu.commit_smem()
@@ -572,13 +657,19 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
 
   def k_meta_index(j):
     # keys: rows are tokens (slot j, warp's 16 rows: one G-token group), columns channels
-    return lambda mt, k, warp, quad: [_affine(j * SLOT, 16, warp, div=G), _affine(8 * k, 2, quad)]
+    # (interleaved: column pairs)
+    col = ((lambda k, quad: [_ix(k // 2), quad]) if ilv
+           else (lambda k, quad: [_affine(8 * k, 2, quad)]))
+    return lambda mt, k, warp, quad: [_affine(j * SLOT, 16, warp, div=G)] + col(k, quad)
 
   def v_meta_index(j):
     # v^T: rows are channels (one G-channel group per warp), columns the slot's tokens
+    # (interleaved: token pairs)
     t0 = j * SLOT
+    col = ((lambda k, quad: [_ix((t0 % C) // 16 + k // 2), quad]) if ilv
+           else (lambda k, quad: [_affine(t0 % C + 8 * k, 2, quad)]))
     return lambda mt, k, warp, quad: [_affine(64 * mt, 16, warp, div=G, cap=ng - 1),
-                                      _ix(t0 // C), _affine(t0 % C + 8 * k, 2, quad)]
+                                      _ix(t0 // C)] + col(k, quad)
 
   k_lo = lo_col - lo_col % 2                        # first column of kout_smem (even: pairs align)
   k_w = kout_smem.shape[-1]
@@ -666,6 +757,11 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
       else:
         _stage_outliers(src, vout_smem, tokens_major=False)
     for src_s, src_z, dst in pairs:
+      if ilv:
+        is_key = dst is kmeta_smem
+        exps = [10 - plan[j][1] for j in range(cpw)] if plan is not None else [bits]
+        _stage_wide(src_s, src_z, dst, exps=exps, unit=dp * SLOT // G if is_key else SLOT)
+        continue
       if plan is not None:           # s * 2**(10 - pos) of each element's slot: whole-array ops
         mult = (kmult_smem if dst is kmeta_smem else vmult_smem)[...].astype(jnp.float16)
         s2 = src_s[...].astype(jnp.float16) * mult
@@ -705,7 +801,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
           for a_ref, j in zip(acc_refs, js):
             if plan is not None and plan[j][0]:
               words = _rotate_words(words, plan[j][0])      # in place: the old words are dead
-            k16 = _dequant(words, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j),
+            k16 = _dequant(words, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j), interleaved=ilv,
                            timing_form=timing_form, pos=None if plan is None else plan[j][1],
                            patch_ref=kout_smem if staged else ko, patch=key_patch(j) if omma else None)
             plgpu.wgmma(a_ref, k16, plgpu.transpose_ref(q_smem, (1, 0)))
@@ -757,7 +853,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
           for n, j in enumerate(js):
             if plan is not None and plan[j][0]:
               words = _rotate_words(words, plan[j][0])
-            v16 = _dequant(words, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j),
+            v16 = _dequant(words, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j), interleaved=ilv,
                            timing_form=timing_form, pos=None if plan is None else plan[j][1],
                            patch_ref=vout_smem if staged else vo,
                            patch=value_patch(j) if omma else None)
@@ -880,7 +976,7 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
 
 def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=PHASE_SLOTS,
                        inflight=1, outliers_in_mma=True, stages=STAGES, heads_pad=None,
-                       warpgroups=1, split_fetch=SPLIT_FETCH,
+                       interleave_meta=INTERLEAVE_META, warpgroups=1, split_fetch=SPLIT_FETCH,
                        staged_outliers=STAGED_OUTLIERS, in_place_codes=IN_PLACE_CODES,
                        loop_descriptors=LOOP_DESCRIPTORS, profile_dir="", ablate=frozenset()):
   """Kernel partials over the quantized region.
@@ -898,6 +994,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   phase = lay.cpw if phase_slots is None else max(1, min(int(phase_slots), lay.cpw))
   omma = bool(outliers_in_mma and n_out and lay.d_low + n_out <= dp)
   kr = max(1, SLOT * lay.cpw // lay.config.group_size)
+  ilv = bool(interleave_meta)
   lo_idx = kq.low_channel_index(kv.k_outlier_idx, d)
   q_lo = jnp.take_along_axis(qg, lo_idx[:, :, None, :], axis=3)
   q_out = jnp.take_along_axis(qg, kv.k_outlier_idx[:, :, None, :], axis=3)       # [B,H,g,n_out]
@@ -934,8 +1031,8 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       smem((nop, npad), f32),
       (smem((phase, npad, SLOT), jnp.float16, transforms=_transforms(SLOT, 2)) if _p_tokens_minor(npad)
        else smem((phase, SLOT, npad), jnp.float16, transforms=_transforms(npad, 2))),
-      _meta_scratch(lead + (kr, dp), len(lead)),                                  # key s2, z2
-      _meta_scratch(lead + (lay.n_groups_tok, SLOT * lay.cpw // c, c), len(lead)),  # value s2, z2
+      _meta_scratch(lead + (kr, dp), ilv, len(lead)),                                  # key s2, z2
+      _meta_scratch(lead + (lay.n_groups_tok, SLOT * lay.cpw // c, c), ilv, len(lead)),  # value s2, z2
       plgpu.Barrier(num_barriers=wgs, num_arrivals=1 + (n_out > 0 and not omma)),
   ]
   staged = bool(omma and staged_outliers and wgs == 1)   # three programs per CTA: no room (11 KB each)
@@ -948,7 +1045,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
     scratch += [smem((tile, k_hi - k_lo + k_hi % 2), jnp.float16), smem((n_out, tile // c, c), jnp.float16)]
   else:
     scratch += [smem((2, 8), jnp.float16), smem((2, 8), jnp.float16)]       # unused
-  if inplace:                    # per-element slot multipliers of the staged scales (keys, values)
+  if inplace and not ilv:        # per-element slot multipliers of the staged scales (keys, values)
     scratch += [smem((kr, dp), kv.k_scale.dtype), smem((lay.n_groups_tok, tile // c, c), kv.v_scale.dtype)]
   else:
     scratch += [smem((2, 8), jnp.float16), smem((2, 8), jnp.float16)]       # unused
@@ -976,7 +1073,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   prof = dict(profile_space=2 * n_ranges, profile_dir=profile_dir) if profile_dir else {}
   kern = plgpu.kernel(
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
-                        stages=stages, npad=npad, wgs=wgs, split=bool(split_fetch),
+                        stages=stages, npad=npad, ilv=ilv, wgs=wgs, split=bool(split_fetch),
                         staged=staged, inplace=inplace, loop_desc=bool(loop_descriptors),
                         ablate=ablate),
       out_type=out_types, scratch_types=scratch,
@@ -993,20 +1090,21 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "phase_slots", "inflight",
                                              "outliers_in_mma", "stages", "heads_pad",
-                                             "warpgroups", "split_fetch",
+                                             "interleave_meta", "warpgroups", "split_fetch",
                                              "staged_outliers", "in_place_codes", "loop_descriptors",
                                              "profile_dir", "ablate"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
-                          heads_pad=None, warpgroups=1, split_fetch=SPLIT_FETCH,
-                          staged_outliers=STAGED_OUTLIERS, in_place_codes=IN_PLACE_CODES,
-                          loop_descriptors=LOOP_DESCRIPTORS, profile_dir="", ablate: frozenset = frozenset()):
+                          heads_pad=None, interleave_meta=INTERLEAVE_META, warpgroups=1,
+                          split_fetch=SPLIT_FETCH, staged_outliers=STAGED_OUTLIERS,
+                          in_place_codes=IN_PLACE_CODES, loop_descriptors=LOOP_DESCRIPTORS,
+                          profile_dir="", ablate: frozenset = frozenset()):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first."""
   qg = scaled_queries(q, kv.num_heads, sm_scale)
   m, l, o_lo, o_out = quantized_partials(qg, kv, num_splits=num_splits, phase_slots=phase_slots,
                                       inflight=inflight, outliers_in_mma=outliers_in_mma, stages=stages,
-                                      heads_pad=heads_pad,
+                                      heads_pad=heads_pad, interleave_meta=interleave_meta,
                                       warpgroups=warpgroups, split_fetch=split_fetch,
                                       staged_outliers=staged_outliers, in_place_codes=in_place_codes,
                                       loop_descriptors=loop_descriptors, profile_dir=profile_dir,

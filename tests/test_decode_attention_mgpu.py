@@ -40,14 +40,14 @@ def test_unsupported_layout_is_a_clear_error():
     decode_attention(q, kv, backend="cuda")
 
 
-@pytest.mark.parametrize("bits,group,phase,inflight,frac,omma,stages,heads,wgs,split", [
-    (2, 32, 8, 1, 0.02, False, 2, 8, 1, False), (2, 32, 1, 0, 0.0, False, 1, 4, 1, True),
-    (3, 32, 2, 1, 0.02, False, 1, 4, 3, False), (4, 64, 8, 1, 0.03, False, 2, 16, 1, False),
-    (8, 128, 8, 1, 0.0, True, 1, 4, 1, False), (2, 32, 8, 1, 0.02, True, 1, 12, 2, False),
-    (2, 32, 8, 1, 0.02, True, 1, 4, 1, False), (4, 32, 4, 1, 0.03, True, 2, 4, 1, False),
-    (2, 32, 4, 1, 0.02, True, 1, 4, 3, False), (2, 32, 8, 1, 0.02, True, 1, 4, 1, True),
-    (3, 32, 2, 1, 0.02, False, 1, 4, 1, True)])
-def test_lowers_for_cuda(bits, group, phase, inflight, frac, omma, stages, heads, wgs, split):
+@pytest.mark.parametrize("bits,group,phase,inflight,frac,omma,stages,heads,ilv,wgs,split", [
+    (2, 32, 8, 1, 0.02, False, 2, 8, False, 1, False), (2, 32, 1, 0, 0.0, False, 1, 4, True, 1, True),
+    (3, 32, 2, 1, 0.02, False, 1, 4, False, 3, False), (4, 64, 8, 1, 0.03, False, 2, 16, True, 1, False),
+    (8, 128, 8, 1, 0.0, True, 1, 4, False, 1, False), (2, 32, 8, 1, 0.02, True, 1, 12, False, 2, False),
+    (2, 32, 8, 1, 0.02, True, 1, 4, True, 1, False), (4, 32, 4, 1, 0.03, True, 2, 4, False, 1, False),
+    (2, 32, 4, 1, 0.02, True, 1, 4, False, 3, False), (2, 32, 8, 1, 0.02, True, 1, 4, False, 1, True),
+    (3, 32, 2, 1, 0.02, False, 1, 4, False, 1, True)])
+def test_lowers_for_cuda(bits, group, phase, inflight, frac, omma, stages, heads, ilv, wgs, split):
   """Traces the whole kernel (layouts, metadata staging, inline PTX, pipeline or the
   hand-written tile fetches of ``split_fetch`` and several warpgroups per CTA) and lowers it
   for CUDA. 32 programs over 3 warpgroups per CTA leave the last CTA one idle warpgroup."""
@@ -56,7 +56,7 @@ def test_lowers_for_cuda(bits, group, phase, inflight, frac, omma, stages, heads
   q = jax.ShapeDtypeStruct((2, 2 * heads, 128), jnp.bfloat16)    # heads per kv-head: MMA N 8 or 16
   fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, phase_slots=phase,
                                               inflight=inflight, outliers_in_mma=omma,
-                                              stages=stages, warpgroups=wgs,
+                                              stages=stages, interleave_meta=ilv, warpgroups=wgs,
                                               split_fetch=split)
   text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
@@ -79,6 +79,23 @@ def test_lowers_for_cuda_outlier_staging(bits, frac, staged, inplace, meta):
   q = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
   fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, staged_outliers=staged,
                                               in_place_codes=inplace)
+  text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("bits,meta,inplace,wgs", [
+    (2, "float8_e4m3fn", True, 1), (3, "bfloat16", True, 1), (4, "float16", False, 1),
+    (8, "float8_e4m3fn", True, 1), (2, "float8_e4m3fn", False, 2)])
+def test_lowers_for_cuda_interleaved_meta(bits, meta, inplace, wgs):
+  """interleave_meta: s2/z2 of two register tiles staged as four words per thread
+  (``_stage_wide``, every metadata dtype; with the slot multipliers of in_place_codes or
+  2**bits; 3-bit tiles of 320 tokens; two programs per CTA)."""
+  cfg = kq.KVQuantConfig(bits=bits, group_size=32, outlier_fraction=0.02, residual_window=32,
+                         meta_dtype=meta)
+  kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 1, 2, 128, 4096))
+  q = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
+  fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, interleave_meta=True,
+                                              in_place_codes=inplace, warpgroups=wgs)
   text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 

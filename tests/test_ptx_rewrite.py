@@ -1,5 +1,5 @@
 """experiments/ptx_rewrite.py: the PTX rewrites that predict a variant's SASS offline."""
-from experiments.ptx_rewrite import descriptor_defs, fold_fmas, rebuild_descriptors
+from experiments.ptx_rewrite import descriptor_defs, fold_fmas, rebuild_descriptors, wide_meta_loads
 
 HI = 4611686293305294848          # 1 << 62 | 64 << 32, as in Mosaic's B descriptors
 PTX = f"""\
@@ -35,3 +35,19 @@ def test_fold_turns_the_first_fmas_into_moves():
   assert n == 1 and "mov.b32 %r2, t;" in out and "fma.rn.f16x2 \t%r5" in out
   out, n = fold_fmas(PTX, 512)
   assert n == 2 and "fma.rn" not in out and "mov.b32 %r5, %r6;" in out
+
+
+def test_wide_meta_merges_the_loads_of_two_register_tiles():
+  ptx = """\
+\tld.shared.b32 \t%r3, [%rd15+11264];
+\tld.shared.b32 \t%r4, [%rd15+15360];
+\tld.shared.b32 \t%r13, [%rd15+11280];
+\tld.shared.b32 \t%r14, [%rd15+15376];
+\t{ .reg .b32 t; lop3.b32 t, %r1, 0x00300030, 0x3c003c00, 0xea; fma.rn.f16x2 %r2, t, %r3, %r4; }
+\t{ .reg .b32 t; lop3.b32 t, %r9, 0x00300030, 0x3c003c00, 0xea; fma.rn.f16x2 %r10, t, %r3, %r4; }
+\t{ .reg .b32 t; lop3.b32 t, %r11, 0x00300030, 0x3c003c00, 0xea; fma.rn.f16x2 %r12, t, %r13, %r14; }
+"""
+  out, n = wide_meta_loads(ptx)
+  assert n == 1
+  assert out.splitlines()[0] == "\tld.shared.v4.b32 \t{%r3, %r13, %r4, %r14}, [%rd15+11264];"
+  assert out.count("ld.shared") == 1
