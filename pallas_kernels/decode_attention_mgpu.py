@@ -489,8 +489,12 @@ def _descriptors_in_loop(on: bool):
   3,249 -> 2,997 loop instructions, static stalls -23 %. The math is unchanged.
 
   Installed while Pallas lowers this kernel's body (``_at_lowering`` markers at its start
-  and end): ``wgmma`` looks ``wgmma_m64`` up in its module at each call."""
-  cur = mgpu_wgmma.wgmma_m64
+  and end): ``wgmma`` looks ``wgmma_m64`` up in its module at each call. (A kernel lowered
+  by another thread meanwhile would get the same math with the same movs.)"""
+  cur = getattr(mgpu_wgmma, "wgmma_m64", None)
+  if cur is None:
+    raise NotImplementedError("loop_descriptors needs jax.experimental.mosaic.gpu.wgmma.wgmma_m64 "
+                              f"(jax 0.10-0.11); this jax ({jax.__version__}) has none")
   if on and not hasattr(cur, "moejax_original"):
     def wgmma_m64(acc, a, b_descriptor, *args, **kwargs):
       d = llvm.inline_asm(b_descriptor.type, [b_descriptor], "mov.b64 $0, $1;", "=l,l",
