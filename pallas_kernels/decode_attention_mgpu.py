@@ -466,7 +466,7 @@ def _fill_slot_multipliers(dst_ref, *, unit, plan):
   def fn(ctx, dst):
     del ctx
     ty = ir.MemRefType(dst.type)
-    n, elem, iw = int(np.prod(ty.shape)), ty.element_type, ir.IntegerType.get_signless(width)
+    n, iw = int(np.prod(ty.shape)), ir.IntegerType.get_signless(width)
     tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
     ptr = mgpu_utils.memref_ptr(dst)
     for i in range(-(-n // 128)):
