@@ -18,28 +18,38 @@ from pallas_kernels import decode_attention_mgpu as dm
 from pallas_kernels import kv_quant as kq
 
 
+def mosaic_module_text(fn, *args):
+  """The (last) Mosaic GPU module that lowering ``jax.jit(fn)(*args)`` for CUDA produces,
+  as text without locations. Works on a CPU-only machine."""
+  modules = []
+  rule = mosaic_core._mosaic_gpu_lowering_rule
+
+  def spy(ctx, *a, module, **kw):
+    modules.append(module.operation.get_asm(enable_debug_info=False))
+    return rule(ctx, *a, module=module, **kw)
+
+  mosaic_core._mosaic_gpu_lowering_rule = spy          # looked up by name at lowering time
+  mlir.register_lowering(mosaic_core.mosaic_gpu_p, spy, "cuda")
+  try:
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  finally:
+    mosaic_core._mosaic_gpu_lowering_rule = rule
+    mlir.register_lowering(mosaic_core.mosaic_gpu_p, rule, "cuda")
+  return modules[-1]
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--bits", type=int, default=2)
   ap.add_argument("--outliers", type=float, default=0.02)
   ap.add_argument("--kw", default="{}")
   a = ap.parse_args()
-  modules = []
-  rule = mosaic_core._mosaic_gpu_lowering_rule
-
-  def spy(ctx, *args, module, **kw):
-    modules.append(module.operation.get_asm(enable_debug_info=False))
-    return rule(ctx, *args, module=module, **kw)
-
-  mosaic_core._mosaic_gpu_lowering_rule = spy          # looked up by name at lowering time
-  mlir.register_lowering(mosaic_core.mosaic_gpu_p, spy, "cuda")
   cfg = kq.KVQuantConfig(bits=a.bits, group_size=32, outlier_fraction=a.outliers)
   kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 8, 8, 128, 32768))
   q = jax.ShapeDtypeStruct((8, 32, 128), jnp.bfloat16)
   kw = json.loads(a.kw)
-  jax.jit(lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, **kw)).trace(
-      q, kv).lower(lowering_platforms=("cuda",))
-  print(modules[-1])
+  print(mosaic_module_text(lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, **kw),
+                           q, kv))
 
 
 if __name__ == "__main__":

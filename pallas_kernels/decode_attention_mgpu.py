@@ -355,6 +355,16 @@ def _store_transposed(x, ref):
   fn(x, ref)
 
 
+def _slot_exponent(x, *, unit, exps):
+  """MLIR: ``exps[(x // unit) % len(exps)]`` for an i32 flat element index ``x`` (the
+  exponents, < 16, packed 4 bits per slot into one i32 constant; at most 8 slots)."""
+  assert len(exps) <= 8 and all(0 <= e < 16 for e in exps)
+  table = sum(e << (4 * j) for j, e in enumerate(exps))
+  table -= (1 << 32) if table >= 1 << 31 else 0
+  slot = arith.remui(arith.divui(x, _i32(unit)), _i32(len(exps)))
+  return arith.andi(arith.shrui(_i32(table), arith.muli(slot, _i32(4))), _i32(15))
+
+
 def _to_f16x2_asm(dtype):
   """PTX: two neighbouring metadata elements (``$1``: 16 bits for fp8, else 32) -> f16x2."""
   if dtype == jnp.float8_e4m3fn:
@@ -379,10 +389,7 @@ def _stage_wide(s_ref, z_ref, dst_ref, *, exps, unit):
   dtype = jnp.dtype(s_ref.dtype)
   width = dtype.itemsize * 8
   conv = _to_f16x2_asm(dtype)
-  cpw = len(exps)
-  assert cpw <= 8 and all(0 <= e < 16 for e in exps) and unit % 8 == 0
-  table = sum(e << (4 * j) for j, e in enumerate(exps))
-  table -= (1 << 32) if table >= 1 << 31 else 0
+  assert unit % 8 == 0
   scale_asm = ("{ .reg .b32 m; shl.b32 m, $2, 10; add.u32 m, m, 0x3c00; prmt.b32 m, m, m, 0x1010; "
                "mul.rn.f16x2 $0, $3, m; sub.rn.f16x2 $1, $4, $0; }")  # m = 2**e in both halves
 
@@ -399,8 +406,7 @@ def _stage_wide(s_ref, z_ref, dst_ref, *, exps, unit):
     for i in range(-(-(n // 8) // 128)):
       c = arith.minui(arith.addi(tid, _i32(128 * i)), _i32(n // 8 - 1))   # repeats write alike
       x0 = arith.muli(c, _i32(8))
-      slot = arith.remui(arith.divui(x0, _i32(unit)), _i32(cpw))
-      e = arith.andi(arith.shrui(_i32(table), arith.muli(slot, _i32(4))), _i32(15))
+      e = _slot_exponent(x0, unit=unit, exps=exps)
       byte = arith.muli(x0, _i32(width // 8))
       sv, zv = (llvm.load(vec_ty, mgpu_utils.getelementptr(p, [byte], i8)) for p in (sp, zp))
       words = arith.addi(arith.muli(arith.shrui(c, _i32(1)), _i32(16)), arith.andi(c, _i32(1)))
@@ -450,17 +456,13 @@ _POW2_FORMAT = {jnp.dtype(jnp.float16): (16, 15, 10), jnp.dtype(jnp.bfloat16): (
                 jnp.dtype(jnp.float8_e4m3fn): (8, 7, 3)}     # bits, exponent bias, mantissa bits
 
 
-def _fill_slot_multipliers(dst_ref, *, unit, plan):
+def _fill_slot_multipliers(dst_ref, *, unit, exps):
   """``in_place_codes``: ``dst`` (the metadata's dtype, so it loads in the metadata's
-  register layout; any contiguous shape, n elements) element ``e`` = ``2**(10 - pos_j)``
+  register layout; any contiguous shape, n elements) element ``e`` = ``2**exps[j]``
   (exact in fp8 too) of its slot ``j = (e // unit) % cpw`` (``_read_plan``): a tile's
   staged scales are then one whole-array multiply (row-by-row or slot-by-slot slices cost
   a warpgroup barrier each: 88 per tile at 2 bits). Written once per program."""
   width, bias, mant = _POW2_FORMAT[jnp.dtype(dst_ref.dtype)]
-  cpw = len(plan)
-  table = sum((10 - plan[j][1]) << (4 * j) for j in range(cpw))   # 4 bits per slot, cpw <= 8
-  assert all(0 <= 10 - plan[j][1] < 16 for j in range(cpw)) and cpw <= 8
-  table -= (1 << 32) if table >= 1 << 31 else 0
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
   def fn(ctx, dst):
@@ -471,8 +473,7 @@ def _fill_slot_multipliers(dst_ref, *, unit, plan):
     ptr = mgpu_utils.memref_ptr(dst)
     for i in range(-(-n // 128)):
       e = arith.minui(arith.addi(tid, _i32(128 * i)), _i32(n - 1))    # repeats write alike
-      slot = arith.remui(arith.divui(e, _i32(unit)), _i32(cpw))
-      exp = arith.andi(arith.shrui(_i32(table), arith.muli(slot, _i32(4))), _i32(15))
+      exp = _slot_exponent(e, unit=unit, exps=exps)
       bits = arith.shli(arith.addi(exp, _i32(bias)), _i32(mant))       # 2**exp
       llvm.store(arith.trunci(iw, bits), mgpu_utils.getelementptr(ptr, [e], iw))
   fn(dst_ref)
@@ -641,6 +642,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
   lo_col, hi_col = lay.d_low, lay.d_low + n_out     # with omma: their place in the MMA padding
   timing_form = next((f for f in ("noshift", "fp2") if f in ablate), "")   # timing-only ablations
   plan = _read_plan(bits, cpw, phase) if inplace else None      # slot -> (rotation, bit position)
+  slot_exps = None if plan is None else [10 - plan[j][1] for j in range(cpw)]   # scale multipliers
 
   if loop_desc:
     _at_lowering(lambda: _descriptors_in_loop(True))
@@ -651,8 +653,8 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
   plgpu.barrier_wait(qbar)
   q_out = [_ld(qo_smem, (o,), COL) for o in range(n_fma)]              # [npad] f32 each
   if plan is not None and not ilv:     # read by other threads only after this barrier
-    _fill_slot_multipliers(kmult_smem, unit=kmult_smem.shape[-1] * SLOT // G, plan=plan)
-    _fill_slot_multipliers(vmult_smem, unit=SLOT, plan=plan)
+    _fill_slot_multipliers(kmult_smem, unit=kmult_smem.shape[-1] * SLOT // G, exps=slot_exps)
+    _fill_slot_multipliers(vmult_smem, unit=SLOT, exps=slot_exps)
     plgpu.commit_smem()
 
   rows = plgpu.broadcasted_iota(jnp.int32, (SLOT, npad), 0, layout=wl)
@@ -763,8 +765,8 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
     for src_s, src_z, dst in pairs:
       if ilv:
         is_key = dst is kmeta_smem
-        exps = [10 - plan[j][1] for j in range(cpw)] if plan is not None else [bits]
-        _stage_wide(src_s, src_z, dst, exps=exps, unit=dp * SLOT // G if is_key else SLOT)
+        _stage_wide(src_s, src_z, dst, exps=slot_exps or [bits],
+                    unit=dp * SLOT // G if is_key else SLOT)
         continue
       if plan is not None:           # s * 2**(10 - pos) of each element's slot: whole-array ops
         mult = (kmult_smem if dst is kmeta_smem else vmult_smem)[...].astype(jnp.float16)

@@ -197,38 +197,25 @@ def test_bad_options_are_clear_errors(kw, match):
     jax.jit(lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=0.1, **kw)).trace(q, kv)
 
 
-def _mosaic_module_text(monkeypatch, **kw):
+def _mosaic_module_text(**kw):
   """The Mosaic GPU module of the kernel (B=2, 2 kv heads, 4k, 2-bit), as text."""
-  from jax.experimental.mosaic.gpu import core as mosaic_core
-  from jax.interpreters import mlir
-  modules, rule = [], mosaic_core._mosaic_gpu_lowering_rule
-
-  def spy(ctx, *args, module, **kwargs):
-    modules.append(module.operation.get_asm(enable_debug_info=False))
-    return rule(ctx, *args, module=module, **kwargs)
-
-  monkeypatch.setattr(mosaic_core, "_mosaic_gpu_lowering_rule", spy)
-  mlir.register_lowering(mosaic_core.mosaic_gpu_p, spy, "cuda")
-  try:
-    cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=0.02, residual_window=32)
-    kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 2, 2, 128, 4096))
-    q = jax.ShapeDtypeStruct((2, 8, 128), jnp.bfloat16)
-    fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, **kw)
-    jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",))
-  finally:
-    mlir.register_lowering(mosaic_core.mosaic_gpu_p, rule, "cuda")
-  return modules[-1]
+  from experiments.mosaic_module import mosaic_module_text
+  cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=0.02, residual_window=32)
+  kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 2, 2, 128, 4096))
+  q = jax.ShapeDtypeStruct((2, 8, 128), jnp.bfloat16)
+  return mosaic_module_text(lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, **kw),
+                            q, kv)
 
 
-def test_loop_descriptors_only_pass_descriptors_through_a_mov(monkeypatch):
+def test_loop_descriptors_only_pass_descriptors_through_a_mov():
   """loop_descriptors: every wgmma's B descriptor goes through one side-effecting mov (so
   LLVM cannot hoist it out of the tile loop); nothing else in the module changes, and jax's
   wgmma_m64 is restored once the kernel is lowered."""
   import re
   mov = "mov.b64 $0, $1;"
   strip = lambda text: re.sub(r"%[\w]+", "", "\n".join(l for l in text.splitlines() if mov not in l))
-  plain = _mosaic_module_text(monkeypatch)
-  moved = _mosaic_module_text(monkeypatch, loop_descriptors=True)
+  plain = _mosaic_module_text()
+  moved = _mosaic_module_text(loop_descriptors=True)
   assert mov not in plain
   # per 8-slot tile: keys 8 slots x 2 K groups of 64 channels, values 8 slots x 2 row groups
   assert moved.count(mov) == 32
