@@ -107,8 +107,9 @@ STAGED_OUTLIERS = True   # outliers_in_mma: each tile's outlier values staged on
 IN_PLACE_CODES = True    # read slots where the rotation left them (_read_plan): fewer rotations
                          # (H200, B=8 32k: 0.172 vs 0.180 ms; B=1 128k 0.130 vs 0.133; SASS 3,249 vs 3,501)
 INTERLEAVE_META = False  # s2/z2 of two register tiles in one 128-bit load (_stage_wide)
-LOOP_DESCRIPTORS = False # MMA descriptors formed in the loop, not held in registers across it
-                         # (_descriptors_in_loop; offline SASS: no spills, -8 % instr.; not yet timed)
+LOOP_DESCRIPTORS = True  # MMA descriptors formed in the loop, not held in registers across it
+                         # (_descriptors_in_loop; H200, B=8 32k: 0.163 / 0.158 vs 0.175 / 0.172 ms,
+                         # 255 registers + 80 B spilled -> 235, none)
 _N_COMMON = 10           # scratch buffers every program has (before its _Own ones)
 SPLIT_FETCH = True       # tiles fetched by hand in key and value halves, each as soon as its
                          # buffers are free (H200: B=8 32k 0.199 -> 0.194 ms, B=1 128k 0.144 -> 0.140)
@@ -479,32 +480,37 @@ def _fill_slot_multipliers(dst_ref, *, unit, exps):
   fn(dst_ref)
 
 
+_ARMED_CONTEXT = []     # the MLIR context of the kernel that asked for loop_descriptors (at most one)
+
+
 def _descriptors_in_loop(on: bool):
   """Mosaic computes each wgmma's shared-memory descriptor once, before the tile loop
   (LLVM hoists it), so ptxas keeps the 40 64-bit descriptors of a tile's 128 MMAs in
   registers for the whole loop (the kernel runs at 255 with spills) and moves them to
-  uniform registers before every MMA. With ``on``, each wgmma of this module passes its
+  uniform registers before every MMA. With ``on``, each wgmma of this kernel passes its
   descriptor through a side-effecting ``mov``, which LLVM cannot hoist: only ~10 bases
   stay live and the descriptors are rebuilt next to their MMAs. Offline (the default
   kernel's PTX with this rewrite, ptxas 13.5): 255 -> 237 registers, 80 B -> 0 spilled,
   3,249 -> 2,997 loop instructions, static stalls -23 %. The math is unchanged.
 
-  Installed while Pallas lowers this kernel's body (``_at_lowering`` markers at its start
-  and end): ``wgmma`` looks ``wgmma_m64`` up in its module at each call. (A kernel lowered
-  by another thread meanwhile would get the same math with the same movs.)"""
+  Called when Pallas lowers the start of this kernel's body (``_at_lowering``): wraps jax's
+  ``wgmma_m64`` (looked up in its module at each call) once, and arms the wrapper for the
+  MLIR context being lowered, which is this kernel's own: any wgmma lowered in it, also by
+  a pass after the body, gets the mov; other kernels pass straight through. ``on=False``
+  disarms (a kernel without the option)."""
   cur = getattr(mgpu_wgmma, "wgmma_m64", None)
   if cur is None:
     raise NotImplementedError("loop_descriptors needs jax.experimental.mosaic.gpu.wgmma.wgmma_m64 "
                               f"(jax 0.10-0.11); this jax ({jax.__version__}) has none")
+  _ARMED_CONTEXT[:] = [ir.Context.current] if on else []
   if on and not hasattr(cur, "moejax_original"):
     def wgmma_m64(acc, a, b_descriptor, *args, **kwargs):
-      d = llvm.inline_asm(b_descriptor.type, [b_descriptor], "mov.b64 $0, $1;", "=l,l",
-                          has_side_effects=True)
-      return cur(acc, a, d, *args, **kwargs)
+      if _ARMED_CONTEXT and ir.Context.current is _ARMED_CONTEXT[0]:
+        b_descriptor = llvm.inline_asm(b_descriptor.type, [b_descriptor], "mov.b64 $0, $1;", "=l,l",
+                                       has_side_effects=True)
+      return cur(acc, a, b_descriptor, *args, **kwargs)
     wgmma_m64.moejax_original = cur
     mgpu_wgmma.wgmma_m64 = wgmma_m64
-  elif not on and hasattr(cur, "moejax_original"):
-    mgpu_wgmma.wgmma_m64 = cur.moejax_original
 
 
 def _at_lowering(fn):
@@ -644,8 +650,7 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
   plan = _read_plan(bits, cpw, phase) if inplace else None      # slot -> (rotation, bit position)
   slot_exps = None if plan is None else [10 - plan[j][1] for j in range(cpw)]   # scale multipliers
 
-  if loop_desc:
-    _at_lowering(lambda: _descriptors_in_loop(True))
+  _at_lowering(lambda: _descriptors_in_loop(loop_desc))
   qbar = bar.at[0] if own is None else bar          # (own: already one barrier)
   plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, qbar)
   if n_fma:
@@ -954,8 +959,6 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
                     plgpu.SMEM((2, npad), f32))
     else:
       store(own.o, own.oo, own.ml)
-  if loop_desc:
-    _at_lowering(lambda: _descriptors_in_loop(False))
 
 
 def _reduce_rows(op, x, scratch):
