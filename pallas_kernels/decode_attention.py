@@ -355,7 +355,6 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
 
   qg = scaled_queries(q, h, sm_scale)
   k_lo_idx = kq.low_channel_index(kv.k_outlier_idx, d)
-  v_lo_idx = kq.low_channel_index(kv.v_outlier_idx, d)
   q_lo = jnp.take_along_axis(qg, k_lo_idx[:, :, None, :], axis=3)
   inputs = {
       "lengths": kv.lengths.astype(jnp.int32),
@@ -411,21 +410,14 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
       name="decode_attention_quantized",
   )(*[inputs[n] for n in names])
   outs = dict(zip(out_names, outs))
-  # The last split's partial is o_fp (channel order): split it like the others.
-  o_fp = outs["o_fp"][..., :d]
-  fp_lo = jnp.take_along_axis(o_fp, v_lo_idx[:, :, None, :], axis=3)
-  parts = [outs["o_lo"].at[:, :, ns].set(_pad_to(fp_lo, (b, h, gp, dt)))]
-  if n_out:
-    fp_out = jnp.take_along_axis(o_fp, kv.v_outlier_idx[:, :, None, :], axis=3)
-    parts.append(outs["o_out"].at[:, :, ns].set(_pad_to(fp_out, (b, h, gp, nop))))
-  comb = _combine(outs["m"], outs["l"], parts)
-  o = jnp.zeros((b, h, g, d), jnp.float32)
-  bi = jnp.arange(b)[:, None, None, None]
-  hi = jnp.arange(h)[None, :, None, None]
-  gi = jnp.arange(g)[None, None, :, None]
-  o = o.at[bi, hi, gi, v_lo_idx[:, :, None, :]].set(comb[0][:, :, :g, :lay.d_low])
-  if n_out:
-    o = o.at[bi, hi, gi, kv.v_outlier_idx[:, :, None, :]].set(comb[1][:, :, :g, :n_out])
+  # Splits 0..ns-1 hold the quantized region in split form, put back in channel order by a
+  # gather (no scatter: on small calls one costs more than the kernel); the last split's
+  # partial is o_fp (sinks and window, already in channel order).
+  pos = kq.channel_positions(kv.v_outlier_idx, d)[:, :, None, None, :]
+  o_q = kq.from_split(outs["o_lo"][:, :, :ns], outs.get("o_out", outs["o_lo"])[:, :, :ns], pos, n_out)
+  parts = jnp.concatenate([o_q, outs["o_fp"][:, :, None, :, :d]], axis=2)      # [B,H,ns+1,gp,D]
+  (o,) = _combine(outs["m"], outs["l"], [parts])
+  o = o[:, :, :g]
   return o.reshape(b, hq, d).astype(q.dtype)
 
 

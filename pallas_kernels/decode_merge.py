@@ -58,24 +58,13 @@ def merge_partials(qg, kv: kq.QuantizedKV, m, l, o_lo, o_out) -> jax.Array:
   """Quantized-region partials + the full-precision part -> ``[B, H, g, D]`` float32.
 
   m, l: ``[B, H, NS, g]``; o_lo: ``[B, H, NS, g, D_pad]``; o_out: ``[B, H, NS, g, n_out]``
-  (ignored without outlier channels)."""
+  (ignored without outlier channels). The split partials are put in channel order by a
+  gather (a scatter or sort here costs more than the kernel on small calls)."""
   lay = kv.layout
-  b, h, g, d = qg.shape
   mf, lf, of = fp_partial(qg, kv)
-  v_lo_idx = kq.low_channel_index(kv.v_outlier_idx, d)
-  f_lo = pad_to(jnp.take_along_axis(of, v_lo_idx[:, :, None, :], axis=3), (b, h, g, lay.d_pad))
-  parts = [jnp.concatenate([o_lo, f_lo[:, :, None]], axis=2)]
-  if lay.n_out:
-    f_out = jnp.take_along_axis(of, kv.v_outlier_idx[:, :, None, :], axis=3)
-    parts.append(jnp.concatenate([o_out, f_out[:, :, None]], axis=2))
+  pos = kq.channel_positions(kv.v_outlier_idx, lay.head_dim)[:, :, None, None, :]
+  o_q = kq.from_split(o_lo, o_out, pos, lay.n_out)                                # [B,H,NS,g,D]
   m = jnp.concatenate([m, mf[:, :, None]], axis=2)
   l = jnp.concatenate([l, lf[:, :, None]], axis=2)
-  comb = combine(m, l, parts)
-  o = jnp.zeros((b, h, g, d), jnp.float32)
-  bi = jnp.arange(b)[:, None, None, None]
-  hi = jnp.arange(h)[None, :, None, None]
-  gi = jnp.arange(g)[None, None, :, None]
-  o = o.at[bi, hi, gi, v_lo_idx[:, :, None, :]].set(comb[0][..., :lay.d_low])
-  if lay.n_out:
-    o = o.at[bi, hi, gi, kv.v_outlier_idx[:, :, None, :]].set(comb[1])
+  (o,) = combine(m, l, [jnp.concatenate([o_q, of[:, :, None]], axis=2)])
   return o

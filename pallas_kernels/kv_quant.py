@@ -353,12 +353,45 @@ def select_outlier_channels(x: jax.Array, n_out: int, lengths: jax.Array | None 
 
 
 def low_channel_index(outlier_idx: jax.Array, head_dim: int) -> jax.Array:
-  """Ascending non-outlier channels: ``int32[..., head_dim - n_out]``."""
-  n_out = outlier_idx.shape[-1]
-  is_out = jnp.zeros(outlier_idx.shape[:-1] + (head_dim,), bool)
-  is_out = jnp.put_along_axis(is_out, outlier_idx, True, axis=-1, inplace=False)
-  order = jnp.argsort(is_out, axis=-1, stable=True)
-  return order[..., :head_dim - n_out].astype(jnp.int32)
+  """Ascending non-outlier channels: ``int32[..., head_dim - n_out]`` (outlier_idx: distinct
+  channels ``[..., n_out]`` in any order).
+
+  No sort or scatter (on a GPU each is a slow kernel of its own, costlier than a small
+  decode step): with ``t_k = idx_k - #{m : idx_m < idx_k}`` (the non-outlier channels
+  below ``idx_k``), the j-th non-outlier channel is ``j + #{k : t_k <= j}``."""
+  idx = outlier_idx.astype(jnp.int32)
+  n_out = idx.shape[-1]
+  t = idx - (idx[..., None, :] < idx[..., :, None]).sum(-1, dtype=jnp.int32)      # [..., n_out]
+  j = jnp.arange(head_dim - n_out, dtype=jnp.int32)
+  return j + (t[..., None, :] <= j[:, None]).sum(-1, dtype=jnp.int32)
+
+
+def channel_positions(outlier_idx: jax.Array, head_dim: int) -> jax.Array:
+  """Where each channel sits in the split form ``[non-outliers ascending (d_low),
+  outliers in outlier_idx order]``: ``int32[..., head_dim]``, so that
+  ``from_split(lo, out, positions)`` puts split values back in channel order."""
+  idx = outlier_idx.astype(jnp.int32)
+  n_out = idx.shape[-1]
+  c = jnp.arange(head_dim, dtype=jnp.int32)
+  hit = idx[..., None, :] == c[:, None]                                           # [..., D, n_out]
+  below = (idx[..., None, :] < c[:, None]).sum(-1, dtype=jnp.int32)
+  slot = (hit * jnp.arange(n_out, dtype=jnp.int32)).sum(-1, dtype=jnp.int32)
+  return jnp.where(hit.any(-1), head_dim - n_out + slot, c - below)
+
+
+def from_split(lo: jax.Array, out: jax.Array | None, positions: jax.Array, n_out: int) -> jax.Array:
+  """Split-form values -> channel order, by a gather (no scatter).
+
+  lo ``[..., >= D - n_out]`` (non-outlier channels ascending; padding beyond ignored), out
+  ``[..., >= n_out]`` (unused when n_out is 0), positions ``int32[..., D]`` from
+  ``channel_positions``, with as many axes as the values (size-1 axes broadcast).
+  Returns ``[..., D]``."""
+  d = positions.shape[-1]
+  x = lo[..., :d - n_out]
+  if n_out:
+    x = jnp.concatenate([x, out[..., :n_out].astype(x.dtype)], axis=-1)
+  positions = jnp.broadcast_to(positions, x.shape[:-1] + (d,))
+  return jnp.take_along_axis(x, positions, axis=-1)
 
 
 def _check_outlier_idx(idx, b, h, n_out, d, what):
@@ -631,15 +664,8 @@ def dequantize_region(codes_packed, scale, zero, outliers, outlier_idx, layout: 
     s_e = jnp.pad(s_e, [(0, 0)] * 3 + [(0, dp - s_e.shape[3])])
     z_e = jnp.pad(z_e, [(0, 0)] * 3 + [(0, dp - z_e.shape[3])])
   x_lo = (codes * s_e + z_e)[..., :layout.d_low]
-  d = layout.head_dim
-  lo_idx = low_channel_index(outlier_idx, d)
-  out = jnp.zeros((b, h, cq, d), jnp.float32)
-  bi = jnp.arange(b)[:, None, None, None]
-  hi = jnp.arange(h)[None, :, None, None]
-  ti = jnp.arange(cq)[None, None, :, None]
-  out = out.at[bi, hi, ti, lo_idx[:, :, None, :]].set(x_lo)
-  out = out.at[bi, hi, ti, outlier_idx[:, :, None, :]].set(outliers.astype(jnp.float32))
-  return out
+  pos = channel_positions(outlier_idx, layout.head_dim)[:, :, None, :]
+  return from_split(x_lo, outliers.astype(jnp.float32), pos, layout.n_out)
 
 
 def _dequantize(cache: QuantizedKV, dtype):

@@ -1,0 +1,95 @@
+"""Where a small decode-attention call spends its GPU time: every kernel of one call, from a
+jax.profiler trace (device machine).
+  PYTHONPATH=. python3 experiments/trace_decode_small.py --sizes 1x4096,8x4096,1x32768
+Prints, per (size, method), each GPU kernel's mean duration over the traced calls and
+the sum, next to the per-call time of 16 calls in one jitted program."""
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+from experiments.bench_decode_attention import HQ, D, make_kv, xla_attention
+from pallas_kernels import kv_quant as kq
+from pallas_kernels.decode_attention import decode_attention
+
+CALLS = 16
+
+
+def kernel_times(fn, args):
+  """{kernel name: mean us per call}, over CALLS calls in one jitted program."""
+  run = jax.jit(lambda a: [fn(*x) for x in a])
+  jax.block_until_ready(run(args))
+  d = tempfile.mkdtemp()
+  with jax.profiler.trace(d, create_perfetto_trace=True):
+    for _ in range(3):
+      jax.block_until_ready(run(args))
+  path = glob.glob(f"{d}/**/*perfetto_trace.json.gz", recursive=True)
+  if not path:
+    print("no perfetto trace; files:", glob.glob(f"{d}/**/*", recursive=True)[:10])
+    return {}
+  ev = json.load(gzip.open(path[0]))
+  ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+  pid_names = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
+  gpu = [e for e in ev if e.get("ph") == "X" and "GPU" in pid_names.get(e["pid"], "")
+         and "dur" in e and "Memcpy" not in e["name"]]
+  if not gpu:
+    print("no GPU kernel events; processes:", sorted(set(pid_names.values()))[:12])
+  per = collections.defaultdict(float)
+  for e in gpu:
+    per[e["name"][:70]] += e["dur"] / (3 * CALLS)
+  return dict(per)
+
+
+def main():
+  out_dir = os.environ.get("OUT")
+  if out_dir:                       # tee everything printed into $OUT/trace_decode_small.txt
+    import builtins, functools
+    log = open(os.path.join(out_dir, "trace_decode_small.txt"), "a")
+    _print = builtins.print
+    builtins.print = lambda *a, **k: (_print(*a, **k), _print(*a, file=log, flush=True))
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--sizes", default="1x4096,8x4096,1x32768")
+  a = ap.parse_args()
+  cfg = kq.KVQuantConfig(bits=2, outlier_fraction=0.02)
+  for s in a.sizes.split(","):
+    b, t = (int(x) for x in s.split("x"))
+    k, v = make_kv(jax.random.key(0), b, t)
+    q = jax.random.normal(jax.random.key(1), (b, HQ, D), jnp.bfloat16)
+    c = kq.quantize_kv(k, v, cfg)
+    full = jnp.full((b,), t, jnp.int32)
+    methods = {
+        "xla_bf16": (jax.jit(xla_attention), [(q, jnp.copy(k), jnp.copy(v), full) for _ in range(CALLS)]),
+        "triton": (jax.jit(lambda q, c: decode_attention(q, c, backend="triton")),
+                   [(q, jax.tree.map(jnp.copy, c)) for _ in range(CALLS)]),
+        "mosaic": (jax.jit(lambda q, c: decode_attention(q, c, backend="mosaic")),
+                   [(q, jax.tree.map(jnp.copy, c)) for _ in range(CALLS)]),
+    }
+    for name, (fn, args) in methods.items():
+      run = jax.jit(lambda a, fn=fn: [fn(*x) for x in a])
+      try:
+        jax.block_until_ready(run(args))
+      except Exception as e:  # noqa: BLE001 (e.g. mosaic off Hopper)
+        print(f"B={b} T={t} {name}: {type(e).__name__}: {str(e)[:200]}")
+        continue
+      t0 = time.perf_counter()
+      for _ in range(20):
+        out = run(args)
+      jax.block_until_ready(out)
+      wall = (time.perf_counter() - t0) / (20 * CALLS) * 1e6
+      per = kernel_times(fn, args)
+      tot = sum(per.values())
+      print(f"B={b} T={t} {name}: {wall:.1f} us per call (wall), GPU kernels sum {tot:.1f} us, "
+            f"{len(per)} kernels", flush=True)
+      for n, us in sorted(per.items(), key=lambda x: -x[1]):
+        print(f"    {us:8.2f} us  {n}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
