@@ -430,6 +430,9 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
 # sequences, e.g. B=16 4k, were not timed. Session 7's bench (in_place_codes) had B=1 32k
 # at 0.098 / 0.134, but small calls were noisy on that machine (one Mosaic variant 0.087 and
 # 0.226 ms in one process; XLA 0.075 against 0.062 before), so the rule was left alone.
+# Session 8 found the noise was host dispatch (the bench now times calls inside one jitted
+# program) and confirmed the rule: B=1 32k 0.085 / 0.070, B=8 4k 0.075 / 0.103, B=1 4k
+# 0.064 / 0.078, B=8 32k 0.380 / 0.156.
 MOSAIC_MIN_TOKENS = 65536
 MOSAIC_MIN_CONTEXT = 32768
 
@@ -491,7 +494,7 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
       "triton": this module's kernel (every layout, any CUDA GPU, interpret mode).
       "mosaic": ``decode_attention_mgpu`` (Hopper only; num_warps, num_stages,
       slots_per_step and step_tokens do not apply). On an H200 with 2-bit + 2 %
-      outliers at B=8, 32k: mosaic 0.196 ms, triton 0.373 ms, bf16 XLA 0.303 ms
+      outliers at B=8, 32k: mosaic 0.156 ms, triton 0.380 ms, bf16 XLA 0.298 ms
       (docs/benchmarks.md, 2026-12-03).
       "tpu": ``decode_attention_tpu`` (block-spec Pallas TPU kernel; "auto" takes it
       on a TPU; with ``interpret=True`` it runs in Pallas' TPU interpret mode).
