@@ -1,14 +1,16 @@
 """Where a small decode-attention call spends its GPU time: every kernel of one call, from a
 jax.profiler trace (device machine).
   PYTHONPATH=. python3 experiments/trace_decode_small.py --sizes 1x4096,8x4096,1x32768
-Prints, per (size, method), each GPU kernel's mean duration over the traced calls and
-the sum, next to the per-call time of 16 calls in one jitted program."""
+Prints, per (size, method), the GPU kernel time per call by kind of kernel (numbered
+fusions of one kind summed), the sum, and the wall time per call of 16 calls in one jitted
+program; with $OUT set, also into $OUT/trace_decode_small.txt."""
 import argparse
 import collections
 import glob
 import gzip
 import json
 import os
+import re
 import tempfile
 import time
 
@@ -50,7 +52,7 @@ def kernel_times(fn, args):
 def main():
   out_dir = os.environ.get("OUT")
   if out_dir:                       # tee everything printed into $OUT/trace_decode_small.txt
-    import builtins, functools
+    import builtins
     log = open(os.path.join(out_dir, "trace_decode_small.txt"), "a")
     _print = builtins.print
     builtins.print = lambda *a, **k: (_print(*a, **k), _print(*a, file=log, flush=True))
@@ -87,8 +89,13 @@ def main():
       tot = sum(per.values())
       print(f"B={b} T={t} {name}: {wall:.1f} us per call (wall), GPU kernels sum {tot:.1f} us, "
             f"{len(per)} kernels", flush=True)
-      for n, us in sorted(per.items(), key=lambda x: -x[1]):
-        print(f"    {us:8.2f} us  {n}", flush=True)
+      groups = collections.defaultdict(lambda: [0.0, 0])     # fusion kind -> [us, kernels]
+      for n, us in per.items():
+        kind = re.sub(r"(_\d+)+$", "", n)                  # sort_440_1 -> sort
+        groups[kind][0] += us
+        groups[kind][1] += 1
+      for kind, (us, cnt) in sorted(groups.items(), key=lambda x: -x[1][0])[:14]:
+        print(f"    {us:8.2f} us  {kind} ({cnt} kernels)", flush=True)
 
 
 if __name__ == "__main__":
