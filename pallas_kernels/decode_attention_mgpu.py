@@ -505,12 +505,17 @@ def _descriptors_in_loop(on: bool):
   _ARMED_CONTEXT[:] = [ir.Context.current] if on else []
   if on and not hasattr(cur, "moejax_original"):
     def wgmma_m64(acc, a, b_descriptor, *args, **kwargs):
-      if _ARMED_CONTEXT and ir.Context.current is _ARMED_CONTEXT[0]:
+      if _descriptors_armed():
         b_descriptor = llvm.inline_asm(b_descriptor.type, [b_descriptor], "mov.b64 $0, $1;", "=l,l",
                                        has_side_effects=True)
       return cur(acc, a, b_descriptor, *args, **kwargs)
     wgmma_m64.moejax_original = cur
     mgpu_wgmma.wgmma_m64 = wgmma_m64
+
+
+def _descriptors_armed() -> bool:
+  """Whether the MLIR context being lowered is that of a kernel with loop_descriptors."""
+  return bool(_ARMED_CONTEXT) and ir.Context.current is _ARMED_CONTEXT[0]
 
 
 def _at_lowering(fn):

@@ -215,11 +215,31 @@ def test_loop_descriptors_only_pass_descriptors_through_a_mov():
   import re
   mov = "mov.b64 $0, $1;"
   strip = lambda text: re.sub(r"%[\w]+", "", "\n".join(l for l in text.splitlines() if mov not in l))
-  plain = _mosaic_module_text()
-  moved = _mosaic_module_text(loop_descriptors=True)
-  assert mov not in plain
+  plain = _mosaic_module_text(loop_descriptors=False)
+  moved = _mosaic_module_text()                                    # the default
+  assert dm.LOOP_DESCRIPTORS and mov not in plain
   # per 8-slot tile: keys 8 slots x 2 K groups of 64 channels, values 8 slots x 2 row groups
   assert moved.count(mov) == 32
   assert strip(moved) == strip(plain)
   assert hasattr(dm.mgpu_wgmma.wgmma_m64, "moejax_original")      # installed, now a pass-through
-  assert _mosaic_module_text() == plain
+  assert _mosaic_module_text(loop_descriptors=False) == plain
+
+
+def test_loop_descriptors_stay_armed_for_their_kernel_context_only():
+  """jax 0.11 expands wgmma in a dialect pass after the kernel body has lowered, so the movs
+  must stay armed for that kernel's MLIR context past the body (on the GPU machine an
+  arm-then-restore-at-body-end wrapper emitted no movs at all); another kernel's context
+  is never armed, and a kernel without the option disarms."""
+  from jaxlib.mlir import ir
+  first, other = ir.Context(), ir.Context()
+  with first:
+    dm._descriptors_in_loop(True)
+    assert dm._descriptors_armed()
+  with other:
+    assert not dm._descriptors_armed()
+  with first:                         # later, e.g. in the dialect lowering pass
+    assert dm._descriptors_armed()
+  with other:
+    dm._descriptors_in_loop(False)
+  with first:
+    assert not dm._descriptors_armed()
