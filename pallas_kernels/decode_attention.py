@@ -414,7 +414,8 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
   # gather (no scatter: on small calls one costs more than the kernel); the last split's
   # partial is o_fp (sinks and window, already in channel order).
   pos = kq.channel_positions(kv.v_outlier_idx, d)[:, :, None, None, :]
-  o_q = kq.from_split(outs["o_lo"][:, :, :ns], outs.get("o_out", outs["o_lo"])[:, :, :ns], pos, n_out)
+  o_out = outs["o_out"][:, :, :ns] if n_out else None
+  o_q = kq.from_split(outs["o_lo"][:, :, :ns], o_out, pos, n_out)
   parts = jnp.concatenate([o_q, outs["o_fp"][:, :, None, :, :d]], axis=2)      # [B,H,ns+1,gp,D]
   (o,) = _combine(outs["m"], outs["l"], [parts])
   o = o[:, :, :g]

@@ -499,7 +499,7 @@ def _descriptors_in_loop(on: bool):
   a pass after the body, gets the mov; other kernels pass straight through. ``on=False``
   disarms (a kernel without the option)."""
   cur = getattr(mgpu_wgmma, "wgmma_m64", None)
-  if cur is None:
+  if on and cur is None:
     raise NotImplementedError("loop_descriptors needs jax.experimental.mosaic.gpu.wgmma.wgmma_m64 "
                               f"(jax 0.10-0.11); this jax ({jax.__version__}) has none")
   _ARMED_CONTEXT[:] = [ir.Context.current] if on else []

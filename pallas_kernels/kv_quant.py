@@ -369,7 +369,7 @@ def low_channel_index(outlier_idx: jax.Array, head_dim: int) -> jax.Array:
 def channel_positions(outlier_idx: jax.Array, head_dim: int) -> jax.Array:
   """Where each channel sits in the split form ``[non-outliers ascending (d_low),
   outliers in outlier_idx order]``: ``int32[..., head_dim]``, so that
-  ``from_split(lo, out, positions)`` puts split values back in channel order."""
+  ``from_split(lo, out, positions, n_out)`` puts split values back in channel order."""
   idx = outlier_idx.astype(jnp.int32)
   n_out = idx.shape[-1]
   c = jnp.arange(head_dim, dtype=jnp.int32)
@@ -383,7 +383,7 @@ def from_split(lo: jax.Array, out: jax.Array | None, positions: jax.Array, n_out
   """Split-form values -> channel order, by a gather (no scatter).
 
   lo ``[..., >= D - n_out]`` (non-outlier channels ascending; padding beyond ignored), out
-  ``[..., >= n_out]`` (unused when n_out is 0), positions ``int32[..., D]`` from
+  ``[..., >= n_out]`` (None when n_out is 0), positions ``int32[..., D]`` from
   ``channel_positions``, with as many axes as the values (size-1 axes broadcast).
   Returns ``[..., D]``."""
   d = positions.shape[-1]
@@ -652,7 +652,7 @@ def dequantize_region(codes_packed, scale, zero, outliers, outlier_idx, layout: 
   outliers = jnp.swapaxes(outliers, 2, 3)
   codes = packing.unpack_jnp(codes_packed, cfg.bits, axis=2, stride=PACK_STRIDE, word_bits=WORD_BITS,
                              dtype=jnp.uint32).astype(jnp.float32)
-  b, h, cq, dp = codes.shape
+  dp = codes.shape[-1]
   g = cfg.group_size
   s32, z32 = scale.astype(jnp.float32), zero.astype(jnp.float32)
   if axis == "channel":
