@@ -3,7 +3,7 @@
 The CPU test suite runs the kernel in interpret mode, where the dequantization is
 plain jnp; this script checks the inline-PTX path the GPU compiles.
 Usage (device machine): PYTHONPATH=. python3 experiments/check_decode_gpu.py [--quick] [--mosaic]
-[--no-inplace] [--interleave] [--loop-descriptors] (--mosaic: the Mosaic GPU kernel, on the
+[--no-inplace] [--interleave] [--loop-descriptors] [--bits=2,3] (--mosaic: the Mosaic GPU kernel, on the
 layouts it supports; --no-inplace: in_place_codes=False; --interleave: interleave_meta=True;
 --loop-descriptors: loop_descriptors=True)
 """
@@ -29,7 +29,8 @@ def main():
   rng = np.random.default_rng(0)
   quick = "--quick" in sys.argv          # one group size, two outlier fractions
   backend = "mosaic" if "--mosaic" in sys.argv else "triton"
-  cases = itertools.product((2, 3, 4, 8), ((32, 32, 4),) if quick else ((16, 0, 0), (32, 32, 4), (64, 64, 0)),
+  bits_arg = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--bits=")), "2,3,4,8")
+  cases = itertools.product(tuple(int(x) for x in bits_arg.split(",")), ((32, 32, 4),) if quick else ((16, 0, 0), (32, 32, 4), (64, 64, 0)),
                             (("channel", "token"), ("token", "channel")),
                             (0.02, 0.03, 0.15) if quick else (0.0, 0.02, 0.03, 0.15))
   for bits, (g, r, s), (ka, va), frac in cases:

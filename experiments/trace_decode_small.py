@@ -18,14 +18,18 @@ import jax
 import jax.numpy as jnp
 
 from experiments.bench_decode_attention import HQ, D, make_kv, xla_attention
+from pallas_kernels import decode_attention_mgpu as mgpu
 from pallas_kernels import kv_quant as kq
 from pallas_kernels.decode_attention import decode_attention
 
 CALLS = 16
 
 
-def kernel_times(fn, args):
-  """{kernel name: mean us per call}, over CALLS calls in one jitted program."""
+def kernel_times(fn, args, timeline=0):
+  """{kernel name: mean us per call}, over CALLS calls in one jitted program. With
+  ``timeline``, also prints that many GPU kernels of the last traced run (start offset, gap
+  before, duration) and the host events that took longest per call (where the wall time
+  beyond the GPU sum goes)."""
   run = jax.jit(lambda a: [fn(*x) for x in a])
   jax.block_until_ready(run(args))
   d = tempfile.mkdtemp()
@@ -46,6 +50,21 @@ def kernel_times(fn, args):
   per = collections.defaultdict(float)
   for e in gpu:
     per[e["name"][:70]] += e["dur"] / (3 * CALLS)
+  if timeline and gpu:
+    gpu.sort(key=lambda e: e["ts"])
+    last = gpu[-min(len(gpu), timeline):]
+    t0, end = last[0]["ts"], last[0]["ts"]
+    print(f"  timeline of the last {len(last)} GPU kernels (us: start, gap before, duration):")
+    for e in last:
+      print(f"    {e['ts'] - t0:9.1f} {e['ts'] - end:7.1f} {e['dur']:7.1f}  {e['name'][:60]}")
+      end = e["ts"] + e["dur"]
+    host = collections.defaultdict(float)
+    for e in ev:
+      if e.get("ph") == "X" and "dur" in e and "GPU" not in pid_names.get(e["pid"], ""):
+        host[e["name"][:60]] += e["dur"] / (3 * CALLS)
+    print("  host events, us per call (top 12):")
+    for n, us in sorted(host.items(), key=lambda x: -x[1])[:12]:
+      print(f"    {us:9.1f}  {n}")
   return dict(per)
 
 
@@ -58,6 +77,8 @@ def main():
     builtins.print = lambda *a, **k: (_print(*a, **k), _print(*a, file=log, flush=True))
   ap = argparse.ArgumentParser()
   ap.add_argument("--sizes", default="1x4096,8x4096,1x32768")
+  ap.add_argument("--timeline", type=int, default=0, help="print this many kernels of one run")
+  ap.add_argument("--methods", default="xla_bf16,triton,mosaic,mosaic_jnp_merge")
   a = ap.parse_args()
   cfg = kq.KVQuantConfig(bits=2, outlier_fraction=0.02)
   for s in a.sizes.split(","):
@@ -72,8 +93,14 @@ def main():
                    [(q, jax.tree.map(jnp.copy, c)) for _ in range(CALLS)]),
         "mosaic": (jax.jit(lambda q, c: decode_attention(q, c, backend="mosaic")),
                    [(q, jax.tree.map(jnp.copy, c)) for _ in range(CALLS)]),
+        # the merge as XLA ops (decode_merge.merge_partials) instead of decode_merge_gpu's kernel
+        "mosaic_jnp_merge": (jax.jit(lambda q, c: mgpu.decode_attention_mgpu(
+            q, c, sm_scale=D ** -0.5, merge_kernel=False)),
+            [(q, jax.tree.map(jnp.copy, c)) for _ in range(CALLS)]),
     }
     for name, (fn, args) in methods.items():
+      if name not in a.methods.split(","):
+        continue
       run = jax.jit(lambda a, fn=fn: [fn(*x) for x in a])
       try:
         jax.block_until_ready(run(args))
@@ -85,7 +112,7 @@ def main():
         out = run(args)
       jax.block_until_ready(out)
       wall = (time.perf_counter() - t0) / (20 * CALLS) * 1e6
-      per = kernel_times(fn, args)
+      per = kernel_times(fn, args, a.timeline)
       tot = sum(per.values())
       print(f"B={b} T={t} {name}: {wall:.1f} us per call (wall), GPU kernels sum {tot:.1f} us, "
             f"{len(per)} kernels", flush=True)

@@ -90,6 +90,7 @@ from jaxlib.mlir.dialects import arith, llvm, memref, vector
 
 from pallas_kernels import kv_quant as kq
 from pallas_kernels.decode_merge import NEG, merge_partials, scaled_queries
+from pallas_kernels.decode_merge_gpu import merge_heads_minor
 
 # the module (the package re-exports its ``wgmma`` function under the same name)
 mgpu_wgmma = importlib.import_module("jax.experimental.mosaic.gpu.wgmma")
@@ -988,35 +989,52 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
   return num_splits, n_tiles // num_splits
 
 
+def _split_in_mma(lay: kq.KVLayout, outliers_in_mma: bool) -> bool:
+  """Whether the kernel's value output is the whole split form (outlier channels as MMA
+  columns ``[d_low, d_low + n_out)``), or there are no outlier channels."""
+  return not lay.n_out or bool(outliers_in_mma and lay.d_low + lay.n_out <= lay.d_pad)
+
+
 def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=PHASE_SLOTS,
                        inflight=1, outliers_in_mma=True, stages=STAGES, heads_pad=None,
                        interleave_meta=INTERLEAVE_META, warpgroups=1, split_fetch=SPLIT_FETCH,
                        staged_outliers=STAGED_OUTLIERS, in_place_codes=IN_PLACE_CODES,
-                       loop_descriptors=LOOP_DESCRIPTORS, profile_dir="", ablate=frozenset()):
+                       loop_descriptors=LOOP_DESCRIPTORS, profile_dir="", ablate=frozenset(),
+                       heads_minor=False):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
   Returns (m, l ``[B, H, NS, g]``, o_lo ``[B, H, NS, g, D_pad]`` (low channels in
-  cache order), o_out ``[B, H, NS, g, n_out]``), unnormalized, log2 units.
+  cache order), o_out ``[B, H, NS, g, n_out]``), unnormalized, log2 units. With
+  ``heads_minor`` (only where ``_split_in_mma``: the outliers' outputs are columns of the
+  MMA), the kernel's own outputs: m, l ``[B, H, NS, N]``, o ``[B, H, NS, D_pad, N]`` (``N``
+  padded query heads; channels in split order), as ``decode_merge_gpu`` takes them.
   """
   lay = kv.layout
+  f32 = jnp.float32
   b, h, g, d = qg.shape
   npad = heads_pad or (8 if g <= 8 else NQ)      # the MMAs' N: query heads, padded
   dp, n_out = lay.d_pad, lay.n_out
   n_tiles = lay.cq // (SLOT * lay.cpw)
   ns, bps = _choose_splits(n_tiles, b * h, num_splits)
   phase = lay.cpw if phase_slots is None else max(1, min(int(phase_slots), lay.cpw))
-  omma = bool(outliers_in_mma and n_out and lay.d_low + n_out <= dp)
+  omma = bool(outliers_in_mma and n_out) and _split_in_mma(lay, outliers_in_mma)
+  if heads_minor and not _split_in_mma(lay, outliers_in_mma):
+    raise ValueError("heads_minor needs the outlier channels inside the MMA (outliers_in_mma "
+                     f"and d_low + n_out <= d_pad; got n_out={n_out}, d_pad={dp})")
   kr = max(1, SLOT * lay.cpw // lay.config.group_size)
   ilv = bool(interleave_meta)
   lo_idx = kq.low_channel_index(kv.k_outlier_idx, d)
-  q_lo = jnp.take_along_axis(qg, lo_idx[:, :, None, :], axis=3)
-  q_out = jnp.take_along_axis(qg, kv.k_outlier_idx[:, :, None, :], axis=3)       # [B,H,g,n_out]
-  if omma:                        # the outlier channels' query goes in the MMA's padding
-    q_lo = jnp.concatenate([q_lo, q_out], axis=3)
-  q_lo = jnp.pad(q_lo, [(0, 0), (0, 0), (0, npad - g), (0, dp - q_lo.shape[3])]).astype(jnp.float16)
   nop = _NOP(n_out)
-  q_out = jnp.pad(jnp.swapaxes(q_out, 2, 3), [(0, 0), (0, 0), (0, nop - n_out), (0, npad - g)])
+  if omma or not n_out:           # the outlier channels' query goes in the MMA's padding:
+    split = jnp.concatenate([lo_idx, kv.k_outlier_idx.astype(jnp.int32)], axis=-1)   # one gather
+    q_lo = jnp.take_along_axis(qg, jnp.broadcast_to(split, (b, h, d))[:, :, None, :], axis=3)
+    q_out = jnp.zeros((1, 1, nop, npad), f32)         # unread (no rank-1 outlier updates)
+  else:
+    q_lo = jnp.take_along_axis(qg, lo_idx[:, :, None, :], axis=3)
+    q_out = jnp.take_along_axis(qg, kv.k_outlier_idx[:, :, None, :], axis=3)     # [B,H,g,n_out]
+    q_out = jnp.pad(jnp.swapaxes(q_out, 2, 3), [(0, 0), (0, 0), (0, nop - n_out), (0, npad - g)])
+  q_lo = jnp.pad(q_lo, [(0, 0), (0, 0), (0, npad - g), (0, dp - q_lo.shape[3])]).astype(jnp.float16)
   ko, vo = kv.k_outliers, kv.v_outliers
   if not n_out:
     ko = vo = jnp.zeros((b, h, 1, lay.cq), jnp.bfloat16)
@@ -1024,7 +1042,6 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   c = _chunk(SLOT * lay.cpw)
   tm = lambda x: x.reshape(x.shape[:3] + (x.shape[3] // c, c))      # token-minor: [.., n, Cq/C, C]
 
-  f32 = jnp.float32
   out_types = (
       jax.ShapeDtypeStruct((b, h, ns, dp, npad), f32),
       jax.ShapeDtypeStruct((b, h, ns, nop, npad), f32),
@@ -1064,7 +1081,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   else:
     scratch += [smem((2, 8), jnp.float16), smem((2, 8), jnp.float16)]       # unused
   assert len(scratch) == _N_COMMON
-  args = (nq, q_lo, q_out.astype(f32), kv.k_codes, kv.k_scale, kv.k_zero, tm(ko),
+  args = (nq, q_lo, q_out, kv.k_codes, kv.k_scale, kv.k_zero, tm(ko),
           kv.v_codes, tm(kv.v_scale), tm(kv.v_zero), tm(vo))
   if wgs > 1 or split_fetch:     # this program's _Own buffers: tiles (as the block specs), barriers, staging
     blocks = [((SLOT, dp), _transforms(dp, 2)), ((kr, dp), ()), ((kr, dp), ()),
@@ -1094,6 +1111,8 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024, **prof), **grid,
   )
   o_lo, o_out, m, l = kern(*args)
+  if heads_minor:
+    return m, l, o_lo
   o_lo = jnp.swapaxes(o_lo, 3, 4)[:, :, :, :g]
   if omma:
     o_out = o_lo[..., lay.d_low:lay.d_low + n_out]
@@ -1106,21 +1125,27 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                                              "outliers_in_mma", "stages", "heads_pad",
                                              "interleave_meta", "warpgroups", "split_fetch",
                                              "staged_outliers", "in_place_codes", "loop_descriptors",
-                                             "profile_dir", "ablate"))
+                                             "profile_dir", "ablate", "merge_kernel"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
                           heads_pad=None, interleave_meta=INTERLEAVE_META, warpgroups=1,
                           split_fetch=SPLIT_FETCH, staged_outliers=STAGED_OUTLIERS,
                           in_place_codes=IN_PLACE_CODES, loop_descriptors=LOOP_DESCRIPTORS,
-                          profile_dir="", ablate: frozenset = frozenset()):
+                          profile_dir="", ablate: frozenset = frozenset(), merge_kernel=True):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
-  ``decode_attention(..., backend="mosaic")`` or check ``supports`` first."""
+  ``decode_attention(..., backend="mosaic")`` or check ``supports`` first.
+  ``merge_kernel``: sinks, window and the split merge in ``decode_merge_gpu``'s kernel
+  (False: the ``jnp`` merge, ``decode_merge.merge_partials``)."""
   qg = scaled_queries(q, kv.num_heads, sm_scale)
-  m, l, o_lo, o_out = quantized_partials(qg, kv, num_splits=num_splits, phase_slots=phase_slots,
-                                      inflight=inflight, outliers_in_mma=outliers_in_mma, stages=stages,
-                                      heads_pad=heads_pad, interleave_meta=interleave_meta,
-                                      warpgroups=warpgroups, split_fetch=split_fetch,
-                                      staged_outliers=staged_outliers, in_place_codes=in_place_codes,
-                                      loop_descriptors=loop_descriptors, profile_dir=profile_dir,
-                                      ablate=ablate)
-  return merge_partials(qg, kv, m, l, o_lo, o_out).reshape(q.shape).astype(q.dtype)
+  opts = dict(num_splits=num_splits, phase_slots=phase_slots, inflight=inflight,
+              outliers_in_mma=outliers_in_mma, stages=stages, heads_pad=heads_pad,
+              interleave_meta=interleave_meta, warpgroups=warpgroups, split_fetch=split_fetch,
+              staged_outliers=staged_outliers, in_place_codes=in_place_codes,
+              loop_descriptors=loop_descriptors, profile_dir=profile_dir, ablate=ablate)
+  if merge_kernel and _split_in_mma(kv.layout, outliers_in_mma):
+    # window, merge and channel order in one Triton kernel (as XLA ops: ~7 small kernels)
+    m, l, o = quantized_partials(qg, kv, heads_minor=True, **opts)
+    out = merge_heads_minor(qg, kv, m, l, o, interpret=False)
+  else:
+    out = merge_partials(qg, kv, *quantized_partials(qg, kv, **opts))
+  return out.reshape(q.shape).astype(q.dtype)

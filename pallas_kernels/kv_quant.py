@@ -361,9 +361,21 @@ def low_channel_index(outlier_idx: jax.Array, head_dim: int) -> jax.Array:
   below ``idx_k``), the j-th non-outlier channel is ``j + #{k : t_k <= j}``."""
   idx = outlier_idx.astype(jnp.int32)
   n_out = idx.shape[-1]
-  t = idx - (idx[..., None, :] < idx[..., :, None]).sum(-1, dtype=jnp.int32)      # [..., n_out]
+  t = idx - _count_over_outliers(lambda m: idx[..., m:m + 1] < idx, n_out)        # [..., n_out]
   j = jnp.arange(head_dim - n_out, dtype=jnp.int32)
-  return j + (t[..., None, :] <= j[:, None]).sum(-1, dtype=jnp.int32)
+  lo = j + _count_over_outliers(lambda k: t[..., k:k + 1] <= j, n_out)
+  return jnp.broadcast_to(lo, idx.shape[:-1] + j.shape)
+
+
+def _count_over_outliers(pred, n_out: int):
+  """sum_k pred(k) as int32. Unrolled for a few outlier channels, so that XLA fuses the
+  index arithmetic into its consumer (a reduction would be a GPU kernel of its own)."""
+  if n_out <= _UNROLL_OUTLIERS:
+    return sum((pred(k).astype(jnp.int32) for k in range(n_out)), jnp.int32(0))
+  return jnp.stack([pred(k) for k in range(n_out)], -1).sum(-1, dtype=jnp.int32)
+
+
+_UNROLL_OUTLIERS = 8
 
 
 def channel_positions(outlier_idx: jax.Array, head_dim: int) -> jax.Array:
@@ -373,10 +385,11 @@ def channel_positions(outlier_idx: jax.Array, head_dim: int) -> jax.Array:
   idx = outlier_idx.astype(jnp.int32)
   n_out = idx.shape[-1]
   c = jnp.arange(head_dim, dtype=jnp.int32)
-  hit = idx[..., None, :] == c[:, None]                                           # [..., D, n_out]
-  below = (idx[..., None, :] < c[:, None]).sum(-1, dtype=jnp.int32)
-  slot = (hit * jnp.arange(n_out, dtype=jnp.int32)).sum(-1, dtype=jnp.int32)
-  return jnp.where(hit.any(-1), head_dim - n_out + slot, c - below)
+  below = _count_over_outliers(lambda k: idx[..., k:k + 1] < c, n_out)           # [..., D]
+  slot = jnp.full(idx.shape[:-1] + (head_dim,), -1, jnp.int32)
+  for k in range(n_out):                                    # outlier channel -> its index k
+    slot = jnp.where(idx[..., k:k + 1] == c, k, slot)
+  return jnp.where(slot >= 0, head_dim - n_out + slot, c - below)
 
 
 def from_split(lo: jax.Array, out: jax.Array | None, positions: jax.Array, n_out: int) -> jax.Array:

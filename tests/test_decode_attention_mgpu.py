@@ -60,6 +60,8 @@ def test_lowers_for_cuda(bits, group, phase, inflight, frac, omma, stages, heads
                                               split_fetch=split)
   text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+  # window and merge in the Triton merge kernel where the kernel writes the whole split form
+  assert ("decode_attention_merge" in text) == dm._split_in_mma(kv.layout, omma)
 
 
 @pytest.mark.parametrize("bits,frac,staged,inplace,meta", [

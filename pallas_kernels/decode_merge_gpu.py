@@ -1,0 +1,150 @@
+"""One Pallas (Triton) kernel for everything after the Mosaic decode kernel: the sinks and
+window ring's attention, the merge of the split partials, and the return to channel order.
+
+``merge_partials`` (``decode_merge``, plain ``jnp``) is the reference. As XLA ops it is
+about seven small kernels, ~13 us of GPU time per call on an H200 at B = 8, 32k (trace,
+2026-12-03: the attention kernel itself 110 us) and as many host launches; here it is one.
+
+Program ``(b, h)`` (grid ``(B, H)``):
+  * window: ``s = q . k_fp^T`` over the full-precision slots (16 per step, f32 dots with
+    IEEE precision), masked to the slots that hold a position outside the quantized
+    region, online softmax -> ``m_f, l_f, o_f [G, D]`` (channel order);
+  * splits: ``m_tot = max(m_f, max_s m_s)``, ``o_split = sum_s 2^(m_s - m_tot) o_s`` over
+    the kernel's ``[Dp, N]`` partials (heads minor, channels in split order);
+  * channel order: ``o = o_split^T . onehot`` with ``onehot[j, c] = (pos_c == j)`` (a gather
+    as an exact f32 dot: Triton has no register gather), ``pos`` from the value outlier
+    channels in the kernel (``kv_quant.channel_positions``);
+  * ``(o + 2^(m_f - m_tot) o_f) / l_tot`` stored for the ``g`` real heads.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import kv_quant as kq
+from pallas_kernels.decode_merge import NEG
+from pallas_kernels._platform import resolve_interpret
+
+_FP_STEP = 16           # window slots per step (the smallest Triton dot)
+
+
+def _np2(n: int) -> int:
+  return max(16, 1 << max(0, (int(n) - 1).bit_length()))
+
+
+def _load(ref, idx, mask, other=0.0):
+  return pltriton.load(ref.at[idx], mask=mask, other=jnp.asarray(other, ref.dtype))
+
+
+def _dot(a, b, **kw):
+  """f32 dot with IEEE precision (no tf32: the one-hot gather must be exact)."""
+  return pltriton.dot(a, b, allow_tf32=False, **kw)
+
+
+def _merge_kernel(len_ref, q_ref, kfp_ref, vfp_ref, vidx_ref, m_ref, l_ref, o_ref, out_ref, *,
+                  lay: kq.KVLayout, g: int, n: int, ns: int):
+  cfg = lay.config
+  d, n_out, dp = lay.head_dim, lay.n_out, lay.d_pad
+  S, R, G, F, wc = cfg.sink_tokens, cfg.residual_window, cfg.group_size, lay.fp_slots, lay.ring
+  gp, d2, dp2 = _np2(g), _np2(d), _np2(dp)
+  L = len_ref[0]
+  nq = jnp.minimum(jnp.maximum(L - S - R, 0) // G * G, lay.cq)
+  rows, cols = jnp.arange(gp, dtype=jnp.int32), jnp.arange(d2, dtype=jnp.int32)
+  q = _load(q_ref, (rows[:, None], cols[None, :]), (rows[:, None] < g) & (cols[None, :] < d))
+
+  # sinks and window ring (channel order), as fp_partial
+  def window_step(i, carry):
+    m, l, acc = carry
+    slot = i * _FP_STEP + jnp.arange(_FP_STEP, dtype=jnp.int32)
+    past = L - S                                    # tokens past the sinks
+    p_ring = S + past - 1 - jnp.mod(past - 1 - (slot - S), wc)
+    valid = jnp.where(slot < S, slot < L, (past > 0) & (p_ring >= S + nq)) & (slot < F)
+    tile = (slot[:, None], cols[None, :])
+    tmask = (slot[:, None] < F) & (cols[None, :] < d)
+    k = _load(kfp_ref, tile, tmask).astype(jnp.float32)
+    s = jnp.where(valid[None, :], _dot(q, k, trans_b=True), NEG)          # [gp, 16]
+    m_new = jnp.maximum(m, s.max(axis=1))
+    corr = jnp.exp2(m - m_new)
+    p = jnp.where(valid[None, :], jnp.exp2(s - m_new[:, None]), 0.0)
+    v = _load(vfp_ref, tile, tmask).astype(jnp.float32)
+    return m_new, l * corr + p.sum(axis=1), acc * corr[:, None] + _dot(p, v)
+
+  init = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
+          jnp.zeros((gp, d2), jnp.float32))
+  m_f, l_f, o_f = jax.lax.fori_loop(0, pl.cdiv(F, _FP_STEP), window_step, init)
+
+  # split partials: m, l [ns, n]; o [ns, dp, n] (heads minor)
+  hmask = rows < n
+  srows = jnp.arange(_np2(ns), dtype=jnp.int32)
+  ml = (srows[:, None], rows[None, :])
+  ml_mask = (srows[:, None] < ns) & hmask[None, :]
+  m_all = _load(m_ref, ml, ml_mask, NEG)                                      # [ns2, gp]
+  m_tot = jnp.maximum(m_f, m_all.max(axis=0))
+  w_f = jnp.exp2(m_f - m_tot)
+  l_tot = w_f * l_f + (jnp.exp2(m_all - m_tot[None, :]) * _load(l_ref, ml, ml_mask)).sum(axis=0)
+  dr = jnp.arange(dp2, dtype=jnp.int32)
+
+  def split_step(s_, acc_t):
+    w = jnp.exp2(_load(m_ref, (s_, rows), hmask, NEG) - m_tot)                 # [gp]
+    part = _load(o_ref, (s_, dr[:, None], rows[None, :]), (dr[:, None] < dp) & hmask[None, :])
+    return acc_t + w[None, :] * part
+
+  acc_t = jax.lax.fori_loop(0, ns, split_step, jnp.zeros((dp2, gp), jnp.float32))
+
+  # back to channel order: channel c sits at split position pos_c (channel_positions)
+  oidx = jnp.arange(_np2(max(n_out, 1)), dtype=jnp.int32)
+  idx = _load(vidx_ref, (oidx,), oidx < n_out, -1) if n_out else None
+  below = jnp.zeros((d2,), jnp.int32)
+  slot_of = jnp.full((d2,), -1, jnp.int32)
+  for k in range(n_out):
+    idx_k = jnp.sum(jnp.where(oidx == k, idx, 0))
+    below += (idx_k < cols).astype(jnp.int32)
+    slot_of = jnp.where(cols == idx_k, k, slot_of)
+  pos = jnp.where(slot_of >= 0, d - n_out + slot_of, cols - below)
+  pos = jnp.where(cols < d, pos, -1)
+  onehot = (dr[:, None] == pos[None, :]).astype(jnp.float32)                 # [dp2, d2]
+  o = _dot(acc_t, onehot, trans_a=True) + w_f[:, None] * o_f                 # [gp, d2]
+  inv = jnp.where(l_tot > 0, 1.0 / jnp.where(l_tot > 0, l_tot, 1.0), 0.0)
+  out = (o * inv[:, None]).astype(out_ref.dtype)
+  pltriton.store(out_ref.at[rows[:, None], cols[None, :]], out,
+                 mask=(rows[:, None] < g) & (cols[None, :] < d))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def merge_heads_minor(qg, kv: kq.QuantizedKV, m, l, o_split, *, interpret: bool | None = None):
+  """Sinks and window + split partials -> normalized ``[B, H, g, D]`` float32.
+
+  qg: ``[B, H, g, D]`` float32 queries scaled by ``sm_scale * log2(e)``.
+  m, l: ``[B, H, NS, N]`` (log2 units; ``N >= g`` query heads, padded).
+  o_split: ``[B, H, NS, D_pad, N]`` unnormalized, channels in split order (non-outlier
+  channels ascending, then the ``n_out`` value outlier channels: ``D - n_out + k`` holds
+  ``v_outlier_idx[..., k]``), padding channels ignored; heads minor, as the Mosaic kernel
+  writes them. Equals ``decode_merge.merge_partials`` on the same partials.
+  """
+  lay = kv.layout
+  b, h, g, d = qg.shape
+  ns, n = m.shape[2], m.shape[3]
+  if o_split.shape != (b, h, ns, lay.d_pad, n) or l.shape != m.shape or n < g:
+    raise ValueError(f"partials do not match: m {m.shape}, l {l.shape}, o_split {o_split.shape} "
+                     f"(want [B, H, NS, N >= {g}] and [B, H, NS, {lay.d_pad}, N])")
+  vidx = kv.v_outlier_idx.astype(jnp.int32)
+  if not lay.n_out:
+    vidx = jnp.zeros((b, h, 1), jnp.int32)
+  vidx = jnp.broadcast_to(vidx, (b, h, vidx.shape[-1]))
+  whole = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda i, j, r=x.ndim - 2: (i, j) + (0,) * r)
+  args = (kv.lengths.astype(jnp.int32), qg, kv.k_fp, kv.v_fp, vidx, m, l, o_split)
+  specs = [pl.BlockSpec((1,), lambda i, j: (i,))] + [whole(x) for x in args[1:]]
+  return pl.pallas_call(
+      functools.partial(_merge_kernel, lay=lay, g=g, n=n, ns=ns),
+      grid=(b, h),
+      in_specs=specs,
+      out_specs=pl.BlockSpec((None, None, g, d), lambda i, j: (i, j, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct((b, h, g, d), jnp.float32),
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+      interpret=resolve_interpret(interpret),
+      name="decode_attention_merge",
+  )(*args)
