@@ -9,11 +9,11 @@ Program ``(b, h)`` (grid ``(B, H)``):
   * window: ``s = q . k_fp^T`` over the full-precision slots (16 per step, f32 dots with
     IEEE precision), masked to the slots that hold a position outside the quantized
     region, online softmax -> ``m_f, l_f, o_f [G, D]`` (channel order);
-  * splits: ``m_tot = max(m_f, max_s m_s)``, ``o_split = sum_s 2^(m_s - m_tot) o_s`` over
-    the kernel's ``[Dp, N]`` partials (heads minor, channels in split order);
-  * channel order: ``o = o_split^T . onehot`` with ``onehot[j, c] = (pos_c == j)`` (a gather
-    as an exact f32 dot: Triton has no register gather), ``pos`` from the value outlier
-    channels in the kernel (``kv_quant.channel_positions``);
+  * splits: ``m_tot = max(m_f, max_s m_s)``, ``o = sum_s 2^(m_s - m_tot) o_s`` over the
+    kernel's ``[Dp, N]`` partials (heads minor, channels in split order);
+  * channel order: the partials are loaded gathered, row ``pos_c`` of each for channel ``c``
+    (``pos`` as ``kv_quant.channel_positions``, from the value outlier channels, in the
+    kernel), ``_SPLITS`` splits per step;
   * ``(o + 2^(m_f - m_tot) o_f) / l_tot`` stored for the ``g`` real heads.
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pallas_kernels.decode_merge import NEG
 from pallas_kernels._platform import resolve_interpret
 
 _FP_STEP = 16           # window slots per step (the smallest Triton dot)
+_SPLITS = 4             # split partials per step ([4, D, 16] f32: 64 registers a thread)
 
 
 def _np2(n: int) -> int:
@@ -41,16 +42,16 @@ def _load(ref, idx, mask, other=0.0):
 
 
 def _dot(a, b, **kw):
-  """f32 dot with IEEE precision (no tf32: the one-hot gather must be exact)."""
+  """f32 dot with IEEE precision (no tf32), as the jnp reference computes the window."""
   return pltriton.dot(a, b, allow_tf32=False, **kw)
 
 
 def _merge_kernel(len_ref, q_ref, kfp_ref, vfp_ref, vidx_ref, m_ref, l_ref, o_ref, out_ref, *,
                   lay: kq.KVLayout, g: int, n: int, ns: int):
   cfg = lay.config
-  d, n_out, dp = lay.head_dim, lay.n_out, lay.d_pad
+  d, n_out = lay.head_dim, lay.n_out
   S, R, G, F, wc = cfg.sink_tokens, cfg.residual_window, cfg.group_size, lay.fp_slots, lay.ring
-  gp, d2, dp2 = _np2(g), _np2(d), _np2(dp)
+  gp, d2 = _np2(g), _np2(d)
   L = len_ref[0]
   nq = jnp.minimum(jnp.maximum(L - S - R, 0) // G * G, lay.cq)
   rows, cols = jnp.arange(gp, dtype=jnp.int32), jnp.arange(d2, dtype=jnp.int32)
@@ -77,25 +78,8 @@ def _merge_kernel(len_ref, q_ref, kfp_ref, vfp_ref, vidx_ref, m_ref, l_ref, o_re
           jnp.zeros((gp, d2), jnp.float32))
   m_f, l_f, o_f = jax.lax.fori_loop(0, pl.cdiv(F, _FP_STEP), window_step, init)
 
-  # split partials: m, l [ns, n]; o [ns, dp, n] (heads minor)
-  hmask = rows < n
-  srows = jnp.arange(_np2(ns), dtype=jnp.int32)
-  ml = (srows[:, None], rows[None, :])
-  ml_mask = (srows[:, None] < ns) & hmask[None, :]
-  m_all = _load(m_ref, ml, ml_mask, NEG)                                      # [ns2, gp]
-  m_tot = jnp.maximum(m_f, m_all.max(axis=0))
-  w_f = jnp.exp2(m_f - m_tot)
-  l_tot = w_f * l_f + (jnp.exp2(m_all - m_tot[None, :]) * _load(l_ref, ml, ml_mask)).sum(axis=0)
-  dr = jnp.arange(dp2, dtype=jnp.int32)
-
-  def split_step(s_, acc_t):
-    w = jnp.exp2(_load(m_ref, (s_, rows), hmask, NEG) - m_tot)                 # [gp]
-    part = _load(o_ref, (s_, dr[:, None], rows[None, :]), (dr[:, None] < dp) & hmask[None, :])
-    return acc_t + w[None, :] * part
-
-  acc_t = jax.lax.fori_loop(0, ns, split_step, jnp.zeros((dp2, gp), jnp.float32))
-
-  # back to channel order: channel c sits at split position pos_c (channel_positions)
+  # channel c sits at split position pos_c (kv_quant.channel_positions), from the value
+  # outlier channels: the partials are read straight into channel order (a gathered load)
   oidx = jnp.arange(_np2(max(n_out, 1)), dtype=jnp.int32)
   idx = _load(vidx_ref, (oidx,), oidx < n_out, -1) if n_out else None
   below = jnp.zeros((d2,), jnp.int32)
@@ -105,9 +89,30 @@ def _merge_kernel(len_ref, q_ref, kfp_ref, vfp_ref, vidx_ref, m_ref, l_ref, o_re
     below += (idx_k < cols).astype(jnp.int32)
     slot_of = jnp.where(cols == idx_k, k, slot_of)
   pos = jnp.where(slot_of >= 0, d - n_out + slot_of, cols - below)
-  pos = jnp.where(cols < d, pos, -1)
-  onehot = (dr[:, None] == pos[None, :]).astype(jnp.float32)                 # [dp2, d2]
-  o = _dot(acc_t, onehot, trans_a=True) + w_f[:, None] * o_f                 # [gp, d2]
+  pos = jnp.where(cols < d, pos, 0)                                          # [d2] rows of o
+
+  # split partials: m, l [ns, n]; o [ns, dp, n] (heads minor), _SPLITS per step
+  hmask = rows < n
+  srows = jnp.arange(_np2(ns), dtype=jnp.int32)
+  ml = (srows[:, None], rows[None, :])
+  ml_mask = (srows[:, None] < ns) & hmask[None, :]
+  m_all = _load(m_ref, ml, ml_mask, NEG)                                      # [ns2, gp]
+  m_tot = jnp.maximum(m_f, m_all.max(axis=0))
+  w_f = jnp.exp2(m_f - m_tot)
+  l_tot = w_f * l_f + (jnp.exp2(m_all - m_tot[None, :]) * _load(l_ref, ml, ml_mask)).sum(axis=0)
+  sb = jnp.arange(_SPLITS, dtype=jnp.int32)
+  omask = (cols[None, :, None] < d) & hmask[None, None, :]
+
+  def split_step(i, acc_t):
+    sp = i * _SPLITS + sb                                                    # [S] splits
+    w = jnp.exp2(_load(m_ref, (sp[:, None], rows[None, :]), (sp[:, None] < ns) & hmask[None, :], NEG)
+                 - m_tot[None, :])                                           # [S, gp]
+    part = _load(o_ref, (sp[:, None, None], pos[None, :, None], rows[None, None, :]),
+                 (sp[:, None, None] < ns) & omask)                           # [S, d2, gp]
+    return acc_t + (w[:, None, :] * part).sum(axis=0)
+
+  acc_t = jax.lax.fori_loop(0, pl.cdiv(ns, _SPLITS), split_step, jnp.zeros((d2, gp), jnp.float32))
+  o = acc_t.T + w_f[:, None] * o_f                                           # [gp, d2]
   inv = jnp.where(l_tot > 0, 1.0 / jnp.where(l_tot > 0, l_tot, 1.0), 0.0)
   out = (o * inv[:, None]).astype(out_ref.dtype)
   pltriton.store(out_ref.at[rows[:, None], cols[None, :]], out,
