@@ -79,6 +79,9 @@ def main():
   ap.add_argument("--sizes", default="1x4096,8x4096,1x32768")
   ap.add_argument("--timeline", type=int, default=0, help="print this many kernels of one run")
   ap.add_argument("--methods", default="xla_bf16,triton,mosaic,mosaic_jnp_merge")
+  ap.add_argument("--merge-variants", default="",
+                  help="also time decode_merge_gpu's kernel alone on the Mosaic kernel's partials, "
+                       "per d_chunk:splits_per_step, e.g. 0:4,32:16 (0: one program per head)")
   a = ap.parse_args()
   cfg = kq.KVQuantConfig(bits=2, outlier_fraction=0.02)
   for s in a.sizes.split(","):
@@ -98,6 +101,19 @@ def main():
             q, c, sm_scale=D ** -0.5, merge_kernel=False)),
             [(q, jax.tree.map(jnp.copy, c)) for _ in range(CALLS)]),
     }
+    if a.merge_variants:
+      from pallas_kernels.decode_merge import scaled_queries
+      from pallas_kernels.decode_merge_gpu import merge_heads_minor
+      qg = scaled_queries(q, c.num_heads, D ** -0.5)
+      parts = mgpu.quantized_partials(qg, c, heads_minor=True)
+      for var in a.merge_variants.split(","):
+        dc, sps = (int(x) for x in var.split(":"))
+        fn = jax.jit(lambda qg, c, m, l, o, dc=dc, sps=sps: merge_heads_minor(
+            qg, c, m, l, o, interpret=False, d_chunk=dc or None, splits_per_step=sps))
+        per = kernel_times(fn, [(qg, c) + tuple(jnp.copy(x) for x in parts) for _ in range(CALLS)])
+        merge_us = sum(us for n, us in per.items() if "merge" in n)
+        print(f"B={b} T={t} merge d_chunk={dc} splits_per_step={sps}: merge kernel {merge_us:.2f} us, "
+              f"all kernels {sum(per.values()):.2f} us", flush=True)
     for name, (fn, args) in methods.items():
       if name not in a.methods.split(","):
         continue

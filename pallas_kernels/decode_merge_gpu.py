@@ -5,7 +5,9 @@ window ring's attention, the merge of the split partials, and the return to chan
 about seven small kernels, ~13 us of GPU time per call on an H200 at B = 8, 32k (trace,
 2026-12-03: the attention kernel itself 110 us) and as many host launches; here it is one.
 
-Program ``(b, h)`` (grid ``(B, H)``):
+Program ``(b, h, c)`` (grid ``(B, H, D / D_CHUNK)``: each program merges ``D_CHUNK`` channels,
+so B = 8 with 8 kv-heads has 256 programs, not 64; the window's scores are recomputed per
+chunk, a few hundred FLOPs):
   * window: ``s = q . k_fp^T`` over the full-precision slots (16 per step, f32 dots with
     IEEE precision), masked to the slots that hold a position outside the quantized
     region, online softmax -> ``m_f, l_f, o_f [G, D]`` (channel order);
@@ -13,7 +15,7 @@ Program ``(b, h)`` (grid ``(B, H)``):
     kernel's ``[Dp, N]`` partials (heads minor, channels in split order);
   * channel order: the partials are loaded gathered, row ``pos_c`` of each for channel ``c``
     (``pos`` as ``kv_quant.channel_positions``, from the value outlier channels, in the
-    kernel), ``_SPLITS`` splits per step;
+    kernel), ``SPLITS_PER_STEP`` splits per step;
   * ``(o + 2^(m_f - m_tot) o_f) / l_tot`` stored for the ``g`` real heads.
 """
 from __future__ import annotations
@@ -30,7 +32,8 @@ from pallas_kernels.decode_merge import NEG
 from pallas_kernels._platform import resolve_interpret
 
 _FP_STEP = 16           # window slots per step (the smallest Triton dot)
-_SPLITS = 4             # split partials per step ([4, D, 16] f32: 64 registers a thread)
+D_CHUNK = 32            # channels per program (grid (B, H, D / D_CHUNK): 4x the programs of one per head)
+SPLITS_PER_STEP = 16    # split partials per step ([16, 32, 16] f32: 64 registers a thread)
 
 
 def _np2(n: int) -> int:
@@ -47,51 +50,55 @@ def _dot(a, b, **kw):
 
 
 def _merge_kernel(len_ref, q_ref, kfp_ref, vfp_ref, vidx_ref, m_ref, l_ref, o_ref, out_ref, *,
-                  lay: kq.KVLayout, g: int, n: int, ns: int):
+                  lay: kq.KVLayout, g: int, n: int, ns: int, dc: int, splits: int):
   cfg = lay.config
   d, n_out = lay.head_dim, lay.n_out
   S, R, G, F, wc = cfg.sink_tokens, cfg.residual_window, cfg.group_size, lay.fp_slots, lay.ring
-  gp, d2 = _np2(g), _np2(d)
+  gp, d2, dc2 = _np2(g), _np2(d), _np2(dc)
+  c0 = pl.program_id(2) * dc                      # this program's channels: [c0, c0 + dc)
   L = len_ref[0]
   nq = jnp.minimum(jnp.maximum(L - S - R, 0) // G * G, lay.cq)
   rows, cols = jnp.arange(gp, dtype=jnp.int32), jnp.arange(d2, dtype=jnp.int32)
+  own = jnp.arange(dc2, dtype=jnp.int32)
+  chan = c0 + own                                 # [dc2] channels (channel order)
+  cmask = (own < dc) & (chan < d)
   q = _load(q_ref, (rows[:, None], cols[None, :]), (rows[:, None] < g) & (cols[None, :] < d))
 
-  # sinks and window ring (channel order), as fp_partial
+  # sinks and window ring (channel order), as fp_partial; scores over all D, values of ours
   def window_step(i, carry):
     m, l, acc = carry
     slot = i * _FP_STEP + jnp.arange(_FP_STEP, dtype=jnp.int32)
     past = L - S                                    # tokens past the sinks
     p_ring = S + past - 1 - jnp.mod(past - 1 - (slot - S), wc)
     valid = jnp.where(slot < S, slot < L, (past > 0) & (p_ring >= S + nq)) & (slot < F)
-    tile = (slot[:, None], cols[None, :])
-    tmask = (slot[:, None] < F) & (cols[None, :] < d)
-    k = _load(kfp_ref, tile, tmask).astype(jnp.float32)
+    k = _load(kfp_ref, (slot[:, None], cols[None, :]),
+              (slot[:, None] < F) & (cols[None, :] < d)).astype(jnp.float32)
     s = jnp.where(valid[None, :], _dot(q, k, trans_b=True), NEG)          # [gp, 16]
     m_new = jnp.maximum(m, s.max(axis=1))
     corr = jnp.exp2(m - m_new)
     p = jnp.where(valid[None, :], jnp.exp2(s - m_new[:, None]), 0.0)
-    v = _load(vfp_ref, tile, tmask).astype(jnp.float32)
+    v = _load(vfp_ref, (slot[:, None], chan[None, :]),
+              (slot[:, None] < F) & cmask[None, :]).astype(jnp.float32)   # [16, dc2]
     return m_new, l * corr + p.sum(axis=1), acc * corr[:, None] + _dot(p, v)
 
   init = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
-          jnp.zeros((gp, d2), jnp.float32))
+          jnp.zeros((gp, dc2), jnp.float32))
   m_f, l_f, o_f = jax.lax.fori_loop(0, pl.cdiv(F, _FP_STEP), window_step, init)
 
   # channel c sits at split position pos_c (kv_quant.channel_positions), from the value
   # outlier channels: the partials are read straight into channel order (a gathered load)
   oidx = jnp.arange(_np2(max(n_out, 1)), dtype=jnp.int32)
   idx = _load(vidx_ref, (oidx,), oidx < n_out, -1) if n_out else None
-  below = jnp.zeros((d2,), jnp.int32)
-  slot_of = jnp.full((d2,), -1, jnp.int32)
+  below = jnp.zeros((dc2,), jnp.int32)
+  slot_of = jnp.full((dc2,), -1, jnp.int32)
   for k in range(n_out):
     idx_k = jnp.sum(jnp.where(oidx == k, idx, 0))
-    below += (idx_k < cols).astype(jnp.int32)
-    slot_of = jnp.where(cols == idx_k, k, slot_of)
-  pos = jnp.where(slot_of >= 0, d - n_out + slot_of, cols - below)
-  pos = jnp.where(cols < d, pos, 0)                                          # [d2] rows of o
+    below += (idx_k < chan).astype(jnp.int32)
+    slot_of = jnp.where(chan == idx_k, k, slot_of)
+  pos = jnp.where(slot_of >= 0, d - n_out + slot_of, chan - below)
+  pos = jnp.where(cmask, pos, 0)                                             # [dc2] rows of o
 
-  # split partials: m, l [ns, n]; o [ns, dp, n] (heads minor), _SPLITS per step
+  # split partials: m, l [ns, n]; o [ns, dp, n] (heads minor), ``splits`` per step
   hmask = rows < n
   srows = jnp.arange(_np2(ns), dtype=jnp.int32)
   ml = (srows[:, None], rows[None, :])
@@ -100,27 +107,35 @@ def _merge_kernel(len_ref, q_ref, kfp_ref, vfp_ref, vidx_ref, m_ref, l_ref, o_re
   m_tot = jnp.maximum(m_f, m_all.max(axis=0))
   w_f = jnp.exp2(m_f - m_tot)
   l_tot = w_f * l_f + (jnp.exp2(m_all - m_tot[None, :]) * _load(l_ref, ml, ml_mask)).sum(axis=0)
-  sb = jnp.arange(_SPLITS, dtype=jnp.int32)
-  omask = (cols[None, :, None] < d) & hmask[None, None, :]
+  sb = jnp.arange(splits, dtype=jnp.int32)
+  omask = cmask[None, :, None] & hmask[None, None, :]
 
   def split_step(i, acc_t):
-    sp = i * _SPLITS + sb                                                    # [S] splits
+    sp = i * splits + sb                                                     # [S] splits
     w = jnp.exp2(_load(m_ref, (sp[:, None], rows[None, :]), (sp[:, None] < ns) & hmask[None, :], NEG)
                  - m_tot[None, :])                                           # [S, gp]
     part = _load(o_ref, (sp[:, None, None], pos[None, :, None], rows[None, None, :]),
-                 (sp[:, None, None] < ns) & omask)                           # [S, d2, gp]
+                 (sp[:, None, None] < ns) & omask)                           # [S, dc2, gp]
     return acc_t + (w[:, None, :] * part).sum(axis=0)
 
-  acc_t = jax.lax.fori_loop(0, pl.cdiv(ns, _SPLITS), split_step, jnp.zeros((d2, gp), jnp.float32))
-  o = acc_t.T + w_f[:, None] * o_f                                           # [gp, d2]
+  acc_t = jax.lax.fori_loop(0, pl.cdiv(ns, splits), split_step, jnp.zeros((dc2, gp), jnp.float32))
+  o = acc_t.T + w_f[:, None] * o_f                                           # [gp, dc2]
   inv = jnp.where(l_tot > 0, 1.0 / jnp.where(l_tot > 0, l_tot, 1.0), 0.0)
   out = (o * inv[:, None]).astype(out_ref.dtype)
-  pltriton.store(out_ref.at[rows[:, None], cols[None, :]], out,
-                 mask=(rows[:, None] < g) & (cols[None, :] < d))
+  pltriton.store(out_ref.at[rows[:, None], own[None, :]], out,
+                 mask=(rows[:, None] < g) & cmask[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def merge_heads_minor(qg, kv: kq.QuantizedKV, m, l, o_split, *, interpret: bool | None = None):
+def _channel_chunk(d: int, d_chunk: int | None) -> int:
+  """Channels per program: ``d_chunk`` if it divides ``d``, else all of them."""
+  if d_chunk is None or d_chunk <= 0 or d % d_chunk:
+    return d
+  return int(d_chunk)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "d_chunk", "splits_per_step"))
+def merge_heads_minor(qg, kv: kq.QuantizedKV, m, l, o_split, *, interpret: bool | None = None,
+                      d_chunk: int | None = D_CHUNK, splits_per_step: int = SPLITS_PER_STEP):
   """Sinks and window + split partials -> normalized ``[B, H, g, D]`` float32.
 
   qg: ``[B, H, g, D]`` float32 queries scaled by ``sm_scale * log2(e)``.
@@ -129,6 +144,8 @@ def merge_heads_minor(qg, kv: kq.QuantizedKV, m, l, o_split, *, interpret: bool 
   channels ascending, then the ``n_out`` value outlier channels: ``D - n_out + k`` holds
   ``v_outlier_idx[..., k]``), padding channels ignored; heads minor, as the Mosaic kernel
   writes them. Equals ``decode_merge.merge_partials`` on the same partials.
+  d_chunk: channels per program (if it divides D; else one program per head);
+  splits_per_step: partials merged per loop step (a power of two).
   """
   lay = kv.layout
   b, h, g, d = qg.shape
@@ -140,14 +157,19 @@ def merge_heads_minor(qg, kv: kq.QuantizedKV, m, l, o_split, *, interpret: bool 
   if not lay.n_out:
     vidx = jnp.zeros((b, h, 1), jnp.int32)
   vidx = jnp.broadcast_to(vidx, (b, h, vidx.shape[-1]))
-  whole = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda i, j, r=x.ndim - 2: (i, j) + (0,) * r)
+  if splits_per_step < 1 or splits_per_step & (splits_per_step - 1):
+    raise ValueError(f"splits_per_step must be a power of two, got {splits_per_step}")
+  dc = _channel_chunk(d, d_chunk)
+  whole = lambda x: pl.BlockSpec((None, None) + x.shape[2:],
+                                 lambda i, j, c, r=x.ndim - 2: (i, j) + (0,) * r)
   args = (kv.lengths.astype(jnp.int32), qg, kv.k_fp, kv.v_fp, vidx, m, l, o_split)
-  specs = [pl.BlockSpec((1,), lambda i, j: (i,))] + [whole(x) for x in args[1:]]
+  specs = [pl.BlockSpec((1,), lambda i, j, c: (i,))] + [whole(x) for x in args[1:]]
   return pl.pallas_call(
-      functools.partial(_merge_kernel, lay=lay, g=g, n=n, ns=ns),
-      grid=(b, h),
+      functools.partial(_merge_kernel, lay=lay, g=g, n=n, ns=ns, dc=dc,
+                        splits=min(int(splits_per_step), 1 << max(0, ns - 1).bit_length())),
+      grid=(b, h, d // dc),
       in_specs=specs,
-      out_specs=pl.BlockSpec((None, None, g, d), lambda i, j: (i, j, 0, 0)),
+      out_specs=pl.BlockSpec((None, None, g, dc), lambda i, j, c: (i, j, 0, c)),
       out_shape=jax.ShapeDtypeStruct((b, h, g, d), jnp.float32),
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
       interpret=resolve_interpret(interpret),

@@ -65,3 +65,18 @@ def test_merge_kernel_lowers_for_cuda():
       qg, kv, m, l, o).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("decode_attention_merge") >= 1
   assert "stablehlo.gather" not in text and "stablehlo.scatter" not in text
+
+
+@pytest.mark.parametrize("d_chunk,splits", [(None, 4), (16, 1), (64, 32)])
+def test_merge_kernel_chunking_does_not_change_the_result(d_chunk, splits):
+  """Channel chunks (grid axis 3) and splits per step only reorganize the work."""
+  kw = dict(b=2, h=2, g=4, n=8, ns=7, d=64, frac=0.05, sinks=2, window=16, lengths=[150, 37])
+  args = _case(11, **kw)
+  got = dmg.merge_heads_minor(*args, interpret=True, d_chunk=d_chunk, splits_per_step=splits)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(_reference(*args)), rtol=2e-5, atol=2e-5)
+
+
+def test_merge_kernel_rejects_bad_splits_per_step():
+  args = _case(0, b=1, h=1, g=4, n=8, ns=2, d=32, frac=0.0, sinks=0, window=0, lengths=[40])
+  with pytest.raises(ValueError, match="power of two"):
+    dmg.merge_heads_minor(*args, interpret=True, splits_per_step=3)
