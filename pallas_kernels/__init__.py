@@ -35,8 +35,7 @@ attribute of that name is the function):
   sequence, packed codes dequantized in registers. ``backend="auto"`` runs the
   Mosaic GPU kernel (``decode_attention_mgpu``) on Hopper GPUs for the layouts its
   ``supports`` accepts (keys per channel, values per token, G >= 32, at most 4
-  outlier channels, at most 16 query heads per kv-head) and caches of at least
-  ``MOSAIC_MIN_TOKENS`` (batch * capacity) or ``MOSAIC_MIN_CONTEXT`` per sequence, on a TPU the block-spec Pallas TPU
+  outlier channels, at most 16 query heads per kv-head), on a TPU the block-spec Pallas TPU
   kernel (``decode_attention_tpu``; tested in TPU interpret mode only), else the
   Triton kernel (which also runs in interpret mode); ``"triton"`` / ``"mosaic"`` /
   ``"tpu"`` force one.

@@ -422,20 +422,12 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
   return o.reshape(b, hq, d).astype(q.dtype)
 
 
-# "auto" takes the Mosaic GPU kernel for caches of this many tokens (B * capacity) or of
-# sequences this long (capacity): below, a call is dominated by fixed per-program cost,
-# where the Triton kernel is cheaper. H200, 2026-12-03 (session 6 bench, one process,
-# 2-bit + 2 %), triton / mosaic ms: B=1 4k 0.097 / 0.125; B=8 4k 0.084 / 0.118 (short
-# sequences: Triton); B=1 32k 0.094 / 0.074; B=1 128k 0.215 / 0.135; B=8 32k 0.375 / 0.177.
-# (Session 5, before staged outliers, B=1 32k was 0.110 / 0.115.) 64k tokens of 4k-token
-# sequences, e.g. B=16 4k, were not timed. Session 7's bench (in_place_codes) had B=1 32k
-# at 0.098 / 0.134, but small calls were noisy on that machine (one Mosaic variant 0.087 and
-# 0.226 ms in one process; XLA 0.075 against 0.062 before), so the rule was left alone.
-# Session 8 found the noise was host dispatch (the bench now times calls inside one jitted
-# program) and confirmed the rule: B=1 32k 0.085 / 0.070, B=8 4k 0.075 / 0.103, B=1 4k
-# 0.064 / 0.078, B=8 32k 0.380 / 0.156.
-MOSAIC_MIN_TOKENS = 65536
-MOSAIC_MIN_CONTEXT = 32768
+# "auto" takes the Mosaic GPU kernel on Hopper wherever it supports the layout. Sessions 5-8
+# kept small caches (< 32k per sequence and < 64k tokens) on Triton, whose per-program cost
+# was lower; once the Mosaic path's merge became one kernel (session 9) it wins at every size
+# timed. H200, 2026-12-04 (docs/benchmarks.md, session 10; 2-bit + 2 %), triton / mosaic ms:
+# B=1 4k 0.060 / 0.033; B=8 4k 0.058 / 0.044; B=1 32k 0.071 / 0.037; B=8 32k 0.353 / 0.136.
+# Session 11's three runs agree (small calls vary run to run; Mosaic never slower at 4k).
 
 
 def choose_backend(backend: str, kv: kq.QuantizedKV, num_q_heads_per_kv: int, interpret: bool) -> str:
@@ -460,8 +452,7 @@ def choose_backend(backend: str, kv: kq.QuantizedKV, num_q_heads_per_kv: int, in
       raise ValueError("backend='mosaic' has no interpret mode (it needs a Hopper GPU); "
                        "use backend='triton' or 'auto'")
     return backend
-  big = kv.batch * kv.layout.cq >= MOSAIC_MIN_TOKENS or kv.layout.cq >= MOSAIC_MIN_CONTEXT
-  return "mosaic" if supported and big and not interpret and mgpu.is_hopper() else "triton"
+  return "mosaic" if supported and not interpret and mgpu.is_hopper() else "triton"
 
 
 def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None = None,
@@ -489,14 +480,13 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
       per slot, and stays in L1), instead of token order (each slot re-reads both
       halves of the tile). Not yet timed on a GPU: off by default.
     backend: "auto" (default): "mosaic" when compiling for a Hopper GPU (sm_90),
-      ``decode_attention_mgpu.supports`` accepts the layout and the cache holds at
-      least ``MOSAIC_MIN_TOKENS`` tokens (batch * capacity) or ``MOSAIC_MIN_CONTEXT``
-      per sequence (capacity); else "triton".
+      ``decode_attention_mgpu.supports`` accepts the layout (it is faster there at
+      every size timed, 4k-128k tokens per sequence, B = 1 and 8); else "triton".
       "triton": this module's kernel (every layout, any CUDA GPU, interpret mode).
       "mosaic": ``decode_attention_mgpu`` (Hopper only; num_warps, num_stages,
       slots_per_step and step_tokens do not apply). On an H200 with 2-bit + 2 %
-      outliers at B=8, 32k: mosaic 0.156 ms, triton 0.380 ms, bf16 XLA 0.298 ms
-      (docs/benchmarks.md, 2026-12-03).
+      outliers at B=8, 32k: mosaic 0.124 ms, triton 0.361 ms, bf16 XLA 0.296 ms
+      (docs/benchmarks.md, 2026-12-04).
       "tpu": ``decode_attention_tpu`` (block-spec Pallas TPU kernel; "auto" takes it
       on a TPU; with ``interpret=True`` it runs in Pallas' TPU interpret mode).
     interpret: ``None`` = compiled on GPU (dequantization in inline PTX),

@@ -89,7 +89,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, vector
 
 from pallas_kernels import kv_quant as kq
-from pallas_kernels.decode_merge import NEG, merge_partials, scaled_queries
+from pallas_kernels.decode_merge import LOG2E, NEG, merge_partials, scaled_queries
 from pallas_kernels.decode_merge_gpu import merge_heads_minor
 
 # the module (the package re-exports its ``wgmma`` function under the same name)
@@ -99,7 +99,8 @@ NQ = 16                    # most query heads per kv-head (the MMAs' N: 8 up to 
 SLOT = kq.PACK_STRIDE      # 64 tokens per code slot = M of the key MMA
 MAX_OUTLIERS = 4
 _NOP = lambda n: 2 if n <= 2 else 4   # outlier rows of the small buffers (copies of >= 128 bytes)
-_TARGET_PROGRAMS = 1024
+_TARGET_PROGRAMS = 512  # default splits: ~4 programs per SM (2 resident). H200, B=8, 32k
+                         # (2026-12-04, merge kernel after): 8 splits 0.125 ms, 16 0.130
 STAGES = 1               # TMA pipeline depth (tiles in flight per program; see below)
 PHASE_SLOTS = 8          # 64-token slots per softmax update, capped at cpw (H200, B=8, 32k, 2-bit:
                          # 8 -> 0.311 ms, 4 -> 0.320, 2 -> 0.338, 1 -> 0.419)
@@ -1144,8 +1145,9 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
               loop_descriptors=loop_descriptors, profile_dir=profile_dir, ablate=ablate)
   if merge_kernel and _split_in_mma(kv.layout, outliers_in_mma):
     # window, merge and channel order in one Triton kernel (as XLA ops: ~7 small kernels)
+    # (the merge scales the raw query and writes q.dtype itself: two XLA kernels fewer)
     m, l, o = quantized_partials(qg, kv, heads_minor=True, **opts)
-    out = merge_heads_minor(qg, kv, m, l, o, interpret=False)
-  else:
-    out = merge_partials(qg, kv, *quantized_partials(qg, kv, **opts))
+    return merge_heads_minor(q.reshape(qg.shape), kv, m, l, o, interpret=False,
+                             q_scale=sm_scale * LOG2E, out_dtype=q.dtype).reshape(q.shape)
+  out = merge_partials(qg, kv, *quantized_partials(qg, kv, **opts))
   return out.reshape(q.shape).astype(q.dtype)

@@ -3,11 +3,13 @@ window ring's attention, the merge of the split partials, and the return to chan
 
 ``merge_partials`` (``decode_merge``, plain ``jnp``) is the reference. As XLA ops it is
 about seven small kernels, ~13 us of GPU time per call on an H200 at B = 8, 32k (trace,
-2026-12-03: the attention kernel itself 110 us) and as many host launches; here it is one.
+2026-12-03: the attention kernel itself 110 us) and as many host launches; here it is one
+(10.4 us there, 2026-12-04), which also scales the raw query and casts the output.
 
-Program ``(b, h, c)`` (grid ``(B, H, D / D_CHUNK)``: each program merges ``D_CHUNK`` channels,
-so B = 8 with 8 kv-heads has 256 programs, not 64; the window's scores are recomputed per
-chunk, a few hundred FLOPs):
+Program ``(b, h, c)`` (grid ``(B, H, D / d_chunk)``: each program merges ``d_chunk``
+channels, by default sized for ~``MERGE_PROGRAMS`` programs: a program's work is a chain
+of dependent loads, so the count matters more than the bytes; the window's scores are
+recomputed per chunk, a few hundred FLOPs):
   * window: ``s = q . k_fp^T`` over the full-precision slots (16 per step, f32 dots with
     IEEE precision), masked to the slots that hold a position outside the quantized
     region, online softmax -> ``m_f, l_f, o_f [G, D]`` (channel order);
@@ -32,8 +34,19 @@ from pallas_kernels.decode_merge import NEG
 from pallas_kernels._platform import resolve_interpret
 
 _FP_STEP = 16           # window slots per step (the smallest Triton dot)
-D_CHUNK = 32            # channels per program (grid (B, H, D / D_CHUNK): 4x the programs of one per head)
+MERGE_PROGRAMS = 128     # d_chunk=None: channel chunks sized for about this many programs
 SPLITS_PER_STEP = 16    # split partials per step ([16, 32, 16] f32: 64 registers a thread)
+MAX_UNROLL = 4          # loops of at most this many steps are unrolled (their loads can overlap)
+
+
+def _loop(n: int, body, carry, unroll: bool):
+  """``fori_loop(0, n, body, carry)``; a Python loop when ``unroll`` and ``n <= MAX_UNROLL``
+  (a short serial loop is a chain of dependent global loads: unrolled, they issue together)."""
+  if unroll and n <= MAX_UNROLL:
+    for i in range(n):
+      carry = body(jnp.int32(i), carry)
+    return carry
+  return jax.lax.fori_loop(0, n, body, carry)
 
 
 def _np2(n: int) -> int:
@@ -50,7 +63,8 @@ def _dot(a, b, **kw):
 
 
 def _merge_kernel(len_ref, q_ref, kfp_ref, vfp_ref, vidx_ref, m_ref, l_ref, o_ref, out_ref, *,
-                  lay: kq.KVLayout, g: int, n: int, ns: int, dc: int, splits: int):
+                  lay: kq.KVLayout, g: int, n: int, ns: int, dc: int, splits: int, q_scale: float,
+                  unroll: bool):
   cfg = lay.config
   d, n_out = lay.head_dim, lay.n_out
   S, R, G, F, wc = cfg.sink_tokens, cfg.residual_window, cfg.group_size, lay.fp_slots, lay.ring
@@ -63,6 +77,7 @@ def _merge_kernel(len_ref, q_ref, kfp_ref, vfp_ref, vidx_ref, m_ref, l_ref, o_re
   chan = c0 + own                                 # [dc2] channels (channel order)
   cmask = (own < dc) & (chan < d)
   q = _load(q_ref, (rows[:, None], cols[None, :]), (rows[:, None] < g) & (cols[None, :] < d))
+  q = q.astype(jnp.float32) * q_scale
 
   # sinks and window ring (channel order), as fp_partial; scores over all D, values of ours
   def window_step(i, carry):
@@ -83,7 +98,7 @@ def _merge_kernel(len_ref, q_ref, kfp_ref, vfp_ref, vidx_ref, m_ref, l_ref, o_re
 
   init = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
           jnp.zeros((gp, dc2), jnp.float32))
-  m_f, l_f, o_f = jax.lax.fori_loop(0, pl.cdiv(F, _FP_STEP), window_step, init)
+  m_f, l_f, o_f = _loop(pl.cdiv(F, _FP_STEP), window_step, init, unroll)
 
   # channel c sits at split position pos_c (kv_quant.channel_positions), from the value
   # outlier channels: the partials are read straight into channel order (a gathered load)
@@ -118,7 +133,7 @@ def _merge_kernel(len_ref, q_ref, kfp_ref, vfp_ref, vidx_ref, m_ref, l_ref, o_re
                  (sp[:, None, None] < ns) & omask)                           # [S, dc2, gp]
     return acc_t + (w[:, None, :] * part).sum(axis=0)
 
-  acc_t = jax.lax.fori_loop(0, pl.cdiv(ns, splits), split_step, jnp.zeros((dc2, gp), jnp.float32))
+  acc_t = _loop(pl.cdiv(ns, splits), split_step, jnp.zeros((dc2, gp), jnp.float32), unroll)
   o = acc_t.T + w_f[:, None] * o_f                                           # [gp, dc2]
   inv = jnp.where(l_tot > 0, 1.0 / jnp.where(l_tot > 0, l_tot, 1.0), 0.0)
   out = (o * inv[:, None]).astype(out_ref.dtype)
@@ -126,26 +141,39 @@ def _merge_kernel(len_ref, q_ref, kfp_ref, vfp_ref, vidx_ref, m_ref, l_ref, o_re
                  mask=(rows[:, None] < g) & cmask[None, :])
 
 
-def _channel_chunk(d: int, d_chunk: int | None) -> int:
-  """Channels per program: ``d_chunk`` if it divides ``d``, else all of them."""
-  if d_chunk is None or d_chunk <= 0 or d % d_chunk:
+def _channel_chunk(d: int, d_chunk: int | None, heads: int) -> int:
+  """Channels per program. ``d_chunk`` if it divides ``d`` (0: all of them); ``None``: a
+  power of two in [16, d] giving ``heads * d / chunk`` about ``MERGE_PROGRAMS`` programs.
+  H200, 2026-12-04 (merge kernel alone, us; experiments/trace_decode_small.py
+  --merge-variants): B=8 x 8 heads, 32k: chunk 16 / 32 / 64 / 128 -> 26.5 / 14.7 / 10.4 /
+  13.3; B=1, 32k: 10.6 / 12.5 / 14.6 / 44.8; B=1, 4k: 8.0 / 8.2 / 8.4 / 9.1."""
+  if d_chunk is None:
+    want = d * heads // MERGE_PROGRAMS
+    d_chunk = min(d, max(16, 1 << max(0, want - 1).bit_length()))
+  if d_chunk <= 0 or d % d_chunk:
     return d
   return int(d_chunk)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "d_chunk", "splits_per_step"))
+@functools.partial(jax.jit, static_argnames=("interpret", "d_chunk", "splits_per_step", "q_scale",
+                                             "out_dtype", "unroll"))
 def merge_heads_minor(qg, kv: kq.QuantizedKV, m, l, o_split, *, interpret: bool | None = None,
-                      d_chunk: int | None = D_CHUNK, splits_per_step: int = SPLITS_PER_STEP):
-  """Sinks and window + split partials -> normalized ``[B, H, g, D]`` float32.
+                      d_chunk: int | None = None, splits_per_step: int = SPLITS_PER_STEP,
+                      q_scale: float = 1.0, out_dtype=jnp.float32, unroll: bool = True):
+  """Sinks and window + split partials -> normalized ``[B, H, g, D]`` (``out_dtype``).
 
-  qg: ``[B, H, g, D]`` float32 queries scaled by ``sm_scale * log2(e)``.
+  qg: ``[B, H, g, D]`` queries (any float dtype); ``qg * q_scale`` (in float32) must be
+  the queries scaled by ``sm_scale * log2(e)`` (``q_scale=1``: already scaled).
   m, l: ``[B, H, NS, N]`` (log2 units; ``N >= g`` query heads, padded).
   o_split: ``[B, H, NS, D_pad, N]`` unnormalized, channels in split order (non-outlier
   channels ascending, then the ``n_out`` value outlier channels: ``D - n_out + k`` holds
   ``v_outlier_idx[..., k]``), padding channels ignored; heads minor, as the Mosaic kernel
   writes them. Equals ``decode_merge.merge_partials`` on the same partials.
-  d_chunk: channels per program (if it divides D; else one program per head);
-  splits_per_step: partials merged per loop step (a power of two).
+  d_chunk: channels per program (if it divides D; 0: one program per head; None: sized
+  for about ``MERGE_PROGRAMS`` programs);
+  splits_per_step: partials merged per loop step (a power of two);
+  unroll: loops of at most ``MAX_UNROLL`` steps unrolled. Scaling the query and casting
+  the output here saves the caller two small XLA kernels (~1.5 us each on an H200).
   """
   lay = kv.layout
   b, h, g, d = qg.shape
@@ -159,18 +187,19 @@ def merge_heads_minor(qg, kv: kq.QuantizedKV, m, l, o_split, *, interpret: bool 
   vidx = jnp.broadcast_to(vidx, (b, h, vidx.shape[-1]))
   if splits_per_step < 1 or splits_per_step & (splits_per_step - 1):
     raise ValueError(f"splits_per_step must be a power of two, got {splits_per_step}")
-  dc = _channel_chunk(d, d_chunk)
+  dc = _channel_chunk(d, d_chunk, b * h)
   whole = lambda x: pl.BlockSpec((None, None) + x.shape[2:],
                                  lambda i, j, c, r=x.ndim - 2: (i, j) + (0,) * r)
   args = (kv.lengths.astype(jnp.int32), qg, kv.k_fp, kv.v_fp, vidx, m, l, o_split)
   specs = [pl.BlockSpec((1,), lambda i, j, c: (i,))] + [whole(x) for x in args[1:]]
   return pl.pallas_call(
       functools.partial(_merge_kernel, lay=lay, g=g, n=n, ns=ns, dc=dc,
-                        splits=min(int(splits_per_step), 1 << max(0, ns - 1).bit_length())),
+                        splits=min(int(splits_per_step), 1 << max(0, ns - 1).bit_length()),
+                        q_scale=float(q_scale), unroll=bool(unroll)),
       grid=(b, h, d // dc),
       in_specs=specs,
       out_specs=pl.BlockSpec((None, None, g, dc), lambda i, j, c: (i, j, 0, c)),
-      out_shape=jax.ShapeDtypeStruct((b, h, g, d), jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((b, h, g, d), out_dtype),
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
       interpret=resolve_interpret(interpret),
       name="decode_attention_merge",

@@ -67,12 +67,15 @@ def test_merge_kernel_lowers_for_cuda():
   assert "stablehlo.gather" not in text and "stablehlo.scatter" not in text
 
 
-@pytest.mark.parametrize("d_chunk,splits", [(None, 4), (16, 1), (64, 32)])
-def test_merge_kernel_chunking_does_not_change_the_result(d_chunk, splits):
-  """Channel chunks (grid axis 3) and splits per step only reorganize the work."""
+@pytest.mark.parametrize("d_chunk,splits,unroll", [(0, 4, True), (16, 1, True), (64, 32, False),
+                                                   (32, 2, False), (None, 16, True)])
+def test_merge_kernel_chunking_does_not_change_the_result(d_chunk, splits, unroll):
+  """Channel chunks (grid axis 3), splits per step and unrolled loops only reorganize the work
+  (ns = 7: 7, 4 or 1 split steps; the window 3 steps: unrolled where <= MAX_UNROLL)."""
   kw = dict(b=2, h=2, g=4, n=8, ns=7, d=64, frac=0.05, sinks=2, window=16, lengths=[150, 37])
   args = _case(11, **kw)
-  got = dmg.merge_heads_minor(*args, interpret=True, d_chunk=d_chunk, splits_per_step=splits)
+  got = dmg.merge_heads_minor(*args, interpret=True, d_chunk=d_chunk, splits_per_step=splits,
+                              unroll=unroll)
   np.testing.assert_allclose(np.asarray(got), np.asarray(_reference(*args)), rtol=2e-5, atol=2e-5)
 
 
@@ -80,3 +83,29 @@ def test_merge_kernel_rejects_bad_splits_per_step():
   args = _case(0, b=1, h=1, g=4, n=8, ns=2, d=32, frac=0.0, sinks=0, window=0, lengths=[40])
   with pytest.raises(ValueError, match="power of two"):
     dmg.merge_heads_minor(*args, interpret=True, splits_per_step=3)
+
+
+def test_merge_kernel_scales_the_raw_query_and_casts_the_output():
+  """q_scale / out_dtype: the raw bf16 query in, bf16 out, as decode_attention_mgpu calls it."""
+  kw = dict(b=2, h=2, g=4, n=8, ns=3, d=64, frac=0.05, sinks=2, window=16, lengths=[150, 37])
+  _, kv, m, l, o = _case(5, **kw)
+  q = jnp.asarray(np.random.default_rng(5).normal(size=(2, 8, 64)), jnp.bfloat16)
+  scale = 64 ** -0.5
+  qg = dmerge.scaled_queries(q, 2, scale)
+  got = dmg.merge_heads_minor(q.reshape(qg.shape), kv, m, l, o, interpret=True,
+                              q_scale=scale * dmerge.LOG2E, out_dtype=jnp.bfloat16)
+  assert got.dtype == jnp.bfloat16
+  want = _reference(qg, kv, m, l, o).astype(jnp.bfloat16)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             rtol=8e-3, atol=8e-3)     # one bf16 rounding apart at most
+
+
+@pytest.mark.parametrize("d,heads,d_chunk,want", [
+    (128, 64, None, 64),      # B = 8 x 8 kv-heads: 128 programs
+    (128, 8, None, 16),       # B = 1: as small as 16 channels
+    (128, 512, None, 128),    # many heads: one program per head
+    (64, 4, None, 16),
+    (128, 8, 0, 128), (128, 8, 32, 32), (96, 8, 64, 96),   # given; 64 does not divide 96
+])
+def test_channel_chunk(d, heads, d_chunk, want):
+  assert dmg._channel_chunk(d, d_chunk, heads) == want
