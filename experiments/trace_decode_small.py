@@ -81,7 +81,7 @@ def main():
   ap.add_argument("--methods", default="xla_bf16,triton,mosaic,mosaic_jnp_merge")
   ap.add_argument("--merge-variants", default="",
                   help="also time decode_merge_gpu's kernel alone on the Mosaic kernel's partials, "
-                       "per d_chunk:splits_per_step[:unroll], e.g. 0:4,32:16:0,auto:16 (d_chunk 0: one program per head, auto: the default; unroll 0: loops kept)")
+                       "one variant per comma, each key=value pairs joined by /: dc (d_chunk; auto, 0 = one program per head), sps, unroll, warps, ablate (window+splits+gather), step (window_step), dot (window_dot); e.g. default,dc=64/sps=16,dot=split/step=32")
   a = ap.parse_args()
   cfg = kq.KVQuantConfig(bits=2, outlier_fraction=0.02)
   for s in a.sizes.split(","):
@@ -107,16 +107,19 @@ def main():
       qg = scaled_queries(q, c.num_heads, D ** -0.5)
       parts = mgpu.quantized_partials(qg, c, heads_minor=True)
       for var in a.merge_variants.split(","):
-        dc, sps, unroll = (tuple(var.split(":")) + ("1",))[:3]
-        dc, sps, unroll = (None if dc == "auto" else int(dc)), int(sps), int(unroll)
+        kw = dict(x.split("=") for x in var.split("/") if "=" in x)   # e.g. dc=64/sps=16/dot=split
+        conv = dict(dc=("d_chunk", lambda x: None if x == "auto" else int(x)),
+                    sps=("splits_per_step", int), unroll=("unroll", lambda x: bool(int(x))),
+                    warps=("num_warps", int), step=("window_step", int), dot=("window_dot", str),
+                    ablate=("ablate", lambda x: frozenset(y for y in x.split("+") if y)))
+        opts = {conv[k][0]: conv[k][1](x) for k, x in kw.items()}   # the rest: the kernel's defaults
         # as decode_attention_mgpu calls it: the raw query, scaled and cast back in the kernel
-        fn = jax.jit(lambda qr, c, m, l, o, dc=dc, sps=sps, unroll=unroll: merge_heads_minor(
-            qr, c, m, l, o, interpret=False, d_chunk=dc, splits_per_step=sps,
-            q_scale=D ** -0.5 * LOG2E, out_dtype=qr.dtype, unroll=bool(unroll)))
+        fn = jax.jit(lambda qr, c, m, l, o, opts=opts: merge_heads_minor(
+            qr, c, m, l, o, interpret=False, q_scale=D ** -0.5 * LOG2E, out_dtype=qr.dtype, **opts))
         qr = q.reshape(qg.shape)
         per = kernel_times(fn, [(qr, c) + tuple(jnp.copy(x) for x in parts) for _ in range(CALLS)])
         merge_us = sum(us for n, us in per.items() if "merge" in n)
-        print(f"B={b} T={t} merge d_chunk={dc} splits_per_step={sps} unroll={unroll}: merge kernel {merge_us:.2f} us, "
+        print(f"B={b} T={t} merge {var}: merge kernel {merge_us:.2f} us, "
               f"all kernels {sum(per.values()):.2f} us", flush=True)
     for name, (fn, args) in methods.items():
       if name not in a.methods.split(","):

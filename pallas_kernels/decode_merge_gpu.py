@@ -4,15 +4,15 @@ window ring's attention, the merge of the split partials, and the return to chan
 ``merge_partials`` (``decode_merge``, plain ``jnp``) is the reference. As XLA ops it is
 about seven small kernels, ~13 us of GPU time per call on an H200 at B = 8, 32k (trace,
 2026-12-03: the attention kernel itself 110 us) and as many host launches; here it is one
-(10.4 us there, 2026-12-04), which also scales the raw query and casts the output.
+(4.7 us there, 2026-12-04), which also scales the raw query and casts the output.
 
 Program ``(b, h, c)`` (grid ``(B, H, D / d_chunk)``: each program merges ``d_chunk``
 channels, by default sized for ~``MERGE_PROGRAMS`` programs: a program's work is a chain
 of dependent loads, so the count matters more than the bytes; the window's scores are
 recomputed per chunk, a few hundred FLOPs):
-  * window: ``s = q . k_fp^T`` over the full-precision slots (16 per step, f32 dots with
-    IEEE precision), masked to the slots that hold a position outside the quantized
-    region, online softmax -> ``m_f, l_f, o_f [G, D]`` (channel order);
+  * window: ``s = q . k_fp^T`` over the full-precision slots (``WINDOW_STEP`` per step,
+    float32-accurate dots: ``_dot_f32``), masked to the slots that hold a position outside
+    the quantized region, online softmax -> ``m_f, l_f, o_f [G, D]`` (channel order);
   * splits: ``m_tot = max(m_f, max_s m_s)``, ``o = sum_s 2^(m_s - m_tot) o_s`` over the
     kernel's ``[Dp, N]`` partials (heads minor, channels in split order);
   * channel order: the partials are loaded gathered, row ``pos_c`` of each for channel ``c``
@@ -33,7 +33,12 @@ from pallas_kernels import kv_quant as kq
 from pallas_kernels.decode_merge import NEG
 from pallas_kernels._platform import resolve_interpret
 
-_FP_STEP = 16           # window slots per step (the smallest Triton dot)
+WINDOW_STEP = 32        # window slots per step (the default window ring, G = 32, in one step)
+# window dots: "split" (3 x 16-bit tensor-core dots) or "f32" (IEEE, FMA units). H200,
+# 2026-12-04, merge kernel alone, us, f32 step 16 / split step 16 / split step 32: B=8 32k
+# 9.1 / 5.3 / 4.7; B=1 4k 8.1 / 4.8 / 4.6; B=1 32k 10.8 / 7.8 / 7.9 (no window at all: 2.3 /
+# 1.7 / 4.4).
+MERGE_WINDOW_DOT = "split"
 MERGE_PROGRAMS = 128     # d_chunk=None: channel chunks sized for about this many programs
 SPLITS_PER_STEP = 16    # split partials per step ([16, 32, 16] f32: 64 registers a thread)
 MAX_UNROLL = 4          # loops of at most this many steps are unrolled (their loads can overlap)
@@ -62,9 +67,27 @@ def _dot(a, b, **kw):
   return pltriton.dot(a, b, allow_tf32=False, **kw)
 
 
+def _dot_f32(a, b, *, split: bool, trans_b: bool = False):
+  """``a @ b`` (or ``b^T``) for float32 ``a`` and 16-bit ``b``, to about float32 accuracy.
+
+  ``split``: ``a`` as the sum of three terms in ``b``'s dtype, each a tensor-core dot with
+  float32 accumulation (the products of 16-bit values are exact; the three terms carry
+  24+ significant bits of ``a``). Else one IEEE float32 dot, which Triton runs on the FMA
+  units through shared-memory layout conversions: slow (see MERGE_WINDOW_DOT)."""
+  if not split:
+    return _dot(a, b.astype(jnp.float32), trans_b=trans_b)
+  out, rest = None, a
+  for _ in range(3):
+    term = rest.astype(b.dtype)
+    rest = rest - term.astype(jnp.float32)
+    part = pltriton.dot(term, b, trans_b=trans_b)
+    out = part if out is None else out + part
+  return out
+
+
 def _merge_kernel(len_ref, q_ref, kfp_ref, vfp_ref, vidx_ref, m_ref, l_ref, o_ref, out_ref, *,
                   lay: kq.KVLayout, g: int, n: int, ns: int, dc: int, splits: int, q_scale: float,
-                  unroll: bool):
+                  unroll: bool, ablate: frozenset, fp_step: int, split_dot: bool):
   cfg = lay.config
   d, n_out = lay.head_dim, lay.n_out
   S, R, G, F, wc = cfg.sink_tokens, cfg.residual_window, cfg.group_size, lay.fp_slots, lay.ring
@@ -82,23 +105,24 @@ def _merge_kernel(len_ref, q_ref, kfp_ref, vfp_ref, vidx_ref, m_ref, l_ref, o_re
   # sinks and window ring (channel order), as fp_partial; scores over all D, values of ours
   def window_step(i, carry):
     m, l, acc = carry
-    slot = i * _FP_STEP + jnp.arange(_FP_STEP, dtype=jnp.int32)
+    slot = i * fp_step + jnp.arange(fp_step, dtype=jnp.int32)
     past = L - S                                    # tokens past the sinks
     p_ring = S + past - 1 - jnp.mod(past - 1 - (slot - S), wc)
     valid = jnp.where(slot < S, slot < L, (past > 0) & (p_ring >= S + nq)) & (slot < F)
     k = _load(kfp_ref, (slot[:, None], cols[None, :]),
-              (slot[:, None] < F) & (cols[None, :] < d)).astype(jnp.float32)
-    s = jnp.where(valid[None, :], _dot(q, k, trans_b=True), NEG)          # [gp, 16]
+              (slot[:, None] < F) & (cols[None, :] < d))
+    s = jnp.where(valid[None, :], _dot_f32(q, k, split=split_dot, trans_b=True), NEG)   # [gp, step]
     m_new = jnp.maximum(m, s.max(axis=1))
     corr = jnp.exp2(m - m_new)
     p = jnp.where(valid[None, :], jnp.exp2(s - m_new[:, None]), 0.0)
     v = _load(vfp_ref, (slot[:, None], chan[None, :]),
-              (slot[:, None] < F) & cmask[None, :]).astype(jnp.float32)   # [16, dc2]
-    return m_new, l * corr + p.sum(axis=1), acc * corr[:, None] + _dot(p, v)
+              (slot[:, None] < F) & cmask[None, :])                       # [step, dc2]
+    return m_new, l * corr + p.sum(axis=1), acc * corr[:, None] + _dot_f32(p, v, split=split_dot)
 
   init = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
           jnp.zeros((gp, dc2), jnp.float32))
-  m_f, l_f, o_f = _loop(pl.cdiv(F, _FP_STEP), window_step, init, unroll)
+  window_steps = 0 if "window" in ablate else pl.cdiv(F, fp_step)      # (timing-only ablation)
+  m_f, l_f, o_f = _loop(window_steps, window_step, init, unroll)
 
   # channel c sits at split position pos_c (kv_quant.channel_positions), from the value
   # outlier channels: the partials are read straight into channel order (a gathered load)
@@ -112,6 +136,8 @@ def _merge_kernel(len_ref, q_ref, kfp_ref, vfp_ref, vidx_ref, m_ref, l_ref, o_re
     slot_of = jnp.where(chan == idx_k, k, slot_of)
   pos = jnp.where(slot_of >= 0, d - n_out + slot_of, chan - below)
   pos = jnp.where(cmask, pos, 0)                                             # [dc2] rows of o
+  if "gather" in ablate:                                                     # (timing only)
+    pos = jnp.where(cmask, chan, 0)
 
   # split partials: m, l [ns, n]; o [ns, dp, n] (heads minor), ``splits`` per step
   hmask = rows < n
@@ -133,7 +159,8 @@ def _merge_kernel(len_ref, q_ref, kfp_ref, vfp_ref, vidx_ref, m_ref, l_ref, o_re
                  (sp[:, None, None] < ns) & omask)                           # [S, dc2, gp]
     return acc_t + (w[:, None, :] * part).sum(axis=0)
 
-  acc_t = _loop(pl.cdiv(ns, splits), split_step, jnp.zeros((dc2, gp), jnp.float32), unroll)
+  split_steps = 0 if "splits" in ablate else pl.cdiv(ns, splits)         # (timing-only ablation)
+  acc_t = _loop(split_steps, split_step, jnp.zeros((dc2, gp), jnp.float32), unroll)
   o = acc_t.T + w_f[:, None] * o_f                                           # [gp, dc2]
   inv = jnp.where(l_tot > 0, 1.0 / jnp.where(l_tot > 0, l_tot, 1.0), 0.0)
   out = (o * inv[:, None]).astype(out_ref.dtype)
@@ -156,10 +183,13 @@ def _channel_chunk(d: int, d_chunk: int | None, heads: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "d_chunk", "splits_per_step", "q_scale",
-                                             "out_dtype", "unroll"))
+                                             "out_dtype", "unroll", "num_warps", "ablate",
+                                             "window_step", "window_dot"))
 def merge_heads_minor(qg, kv: kq.QuantizedKV, m, l, o_split, *, interpret: bool | None = None,
                       d_chunk: int | None = None, splits_per_step: int = SPLITS_PER_STEP,
-                      q_scale: float = 1.0, out_dtype=jnp.float32, unroll: bool = True):
+                      q_scale: float = 1.0, out_dtype=jnp.float32, unroll: bool = True,
+                      num_warps: int = 4, ablate: frozenset = frozenset(),
+                      window_step: int = WINDOW_STEP, window_dot: str = MERGE_WINDOW_DOT):
   """Sinks and window + split partials -> normalized ``[B, H, g, D]`` (``out_dtype``).
 
   qg: ``[B, H, g, D]`` queries (any float dtype); ``qg * q_scale`` (in float32) must be
@@ -174,7 +204,15 @@ def merge_heads_minor(qg, kv: kq.QuantizedKV, m, l, o_split, *, interpret: bool 
   splits_per_step: partials merged per loop step (a power of two);
   unroll: loops of at most ``MAX_UNROLL`` steps unrolled. Scaling the query and casting
   the output here saves the caller two small XLA kernels (~1.5 us each on an H200).
+  num_warps: Triton warps per program. ablate: timing only (wrong results): skip the
+  "window", the "splits" loop, or the "gather" into channel order.
+  window_step: window slots per step (16, 32 or 64); window_dot: "split" (three 16-bit
+  tensor-core dots per float32 product) or "f32" (IEEE float32 FMA dots).
   """
+  if window_step not in (16, 32, 64):
+    raise ValueError(f"window_step must be 16, 32 or 64, got {window_step!r}")
+  if window_dot not in ("split", "f32"):
+    raise ValueError(f"window_dot must be 'split' or 'f32', got {window_dot!r}")
   lay = kv.layout
   b, h, g, d = qg.shape
   ns, n = m.shape[2], m.shape[3]
@@ -195,12 +233,13 @@ def merge_heads_minor(qg, kv: kq.QuantizedKV, m, l, o_split, *, interpret: bool 
   return pl.pallas_call(
       functools.partial(_merge_kernel, lay=lay, g=g, n=n, ns=ns, dc=dc,
                         splits=min(int(splits_per_step), 1 << max(0, ns - 1).bit_length()),
-                        q_scale=float(q_scale), unroll=bool(unroll)),
+                        q_scale=float(q_scale), unroll=bool(unroll), ablate=frozenset(ablate),
+                        fp_step=int(window_step), split_dot=window_dot == "split"),
       grid=(b, h, d // dc),
       in_specs=specs,
       out_specs=pl.BlockSpec((None, None, g, dc), lambda i, j, c: (i, j, 0, c)),
       out_shape=jax.ShapeDtypeStruct((b, h, g, d), out_dtype),
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+      compiler_params=pltriton.CompilerParams(num_warps=int(num_warps), num_stages=2),
       interpret=resolve_interpret(interpret),
       name="decode_attention_merge",
   )(*args)

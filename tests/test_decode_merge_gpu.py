@@ -79,6 +79,37 @@ def test_merge_kernel_chunking_does_not_change_the_result(d_chunk, splits, unrol
   np.testing.assert_allclose(np.asarray(got), np.asarray(_reference(*args)), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("step,dot", [(16, "f32"), (16, "split"), (32, "f32"), (64, "split")])
+def test_merge_kernel_window_steps_and_dots(step, dot):
+  """Window slots per step and the window's dot form (one IEEE float32 dot, or three 16-bit
+  tensor-core dots) agree with the float32 reference; sinks 3 + ring 48 + window 16."""
+  kw = dict(b=2, h=2, g=8, n=8, ns=3, d=64, frac=0.05, sinks=3, window=16, lengths=[150, 40])
+  args = _case(7, **kw)
+  got = dmg.merge_heads_minor(*args, interpret=True, window_step=step, window_dot=dot)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(_reference(*args)), rtol=2e-5, atol=2e-5)
+
+
+def test_merge_kernel_split_dot_is_float32_accurate():
+  """The split dot keeps ~24 bits of the float32 operand: far closer than a dot of the
+  operand rounded once to bf16 (which the test would catch)."""
+  rng = np.random.default_rng(0)
+  a = jnp.asarray(rng.normal(size=(16, 64)) * 5, jnp.float32)
+  b = jnp.asarray(rng.normal(size=(16, 64)), jnp.bfloat16)
+  want = np.asarray(a, np.float64) @ np.asarray(b, np.float64).T
+  split = dmg._dot_f32(a, b, split=True, trans_b=True)
+  once = jnp.dot(a.astype(jnp.bfloat16), b.T, preferred_element_type=jnp.float32)
+  err = lambda x: float(np.abs(np.asarray(x, np.float64) - want).max())
+  assert err(split) < 1e-4 < err(once)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(window_step=8), "window_step"),
+                                      (dict(window_dot="tf32"), "window_dot")])
+def test_merge_kernel_rejects_bad_window_options(kw, match):
+  args = _case(0, b=1, h=1, g=4, n=8, ns=2, d=32, frac=0.0, sinks=0, window=0, lengths=[40])
+  with pytest.raises(ValueError, match=match):
+    dmg.merge_heads_minor(*args, interpret=True, **kw)
+
+
 def test_merge_kernel_rejects_bad_splits_per_step():
   args = _case(0, b=1, h=1, g=4, n=8, ns=2, d=32, frac=0.0, sinks=0, window=0, lengths=[40])
   with pytest.raises(ValueError, match="power of two"):
