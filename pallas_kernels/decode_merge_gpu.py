@@ -38,7 +38,7 @@ WINDOW_STEP = 32        # window slots per step (the default window ring, G = 32
 # 2026-12-04, merge kernel alone, us, f32 step 16 / split step 16 / split step 32: B=8 32k
 # 9.1 / 5.3 / 4.7; B=1 4k 8.1 / 4.8 / 4.6; B=1 32k 10.8 / 7.8 / 7.9 (no window at all: 2.3 /
 # 1.7 / 4.4).
-MERGE_WINDOW_DOT = "split"
+WINDOW_DOT = "split"
 MERGE_PROGRAMS = 128     # d_chunk=None: channel chunks sized for about this many programs
 SPLITS_PER_STEP = 16    # split partials per step ([16, 32, 16] f32: 64 registers a thread)
 MAX_UNROLL = 4          # loops of at most this many steps are unrolled (their loads can overlap)
@@ -73,7 +73,7 @@ def _dot_f32(a, b, *, split: bool, trans_b: bool = False):
   ``split``: ``a`` as the sum of three terms in ``b``'s dtype, each a tensor-core dot with
   float32 accumulation (the products of 16-bit values are exact; the three terms carry
   24+ significant bits of ``a``). Else one IEEE float32 dot, which Triton runs on the FMA
-  units through shared-memory layout conversions: slow (see MERGE_WINDOW_DOT)."""
+  units through shared-memory layout conversions: slow (see WINDOW_DOT)."""
   if not split:
     return _dot(a, b.astype(jnp.float32), trans_b=trans_b)
   out, rest = None, a
@@ -189,7 +189,7 @@ def merge_heads_minor(qg, kv: kq.QuantizedKV, m, l, o_split, *, interpret: bool 
                       d_chunk: int | None = None, splits_per_step: int = SPLITS_PER_STEP,
                       q_scale: float = 1.0, out_dtype=jnp.float32, unroll: bool = True,
                       num_warps: int = 4, ablate: frozenset = frozenset(),
-                      window_step: int = WINDOW_STEP, window_dot: str = MERGE_WINDOW_DOT):
+                      window_step: int = WINDOW_STEP, window_dot: str = WINDOW_DOT):
   """Sinks and window + split partials -> normalized ``[B, H, g, D]`` (``out_dtype``).
 
   qg: ``[B, H, g, D]`` queries (any float dtype); ``qg * q_scale`` (in float32) must be

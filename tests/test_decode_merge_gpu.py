@@ -67,8 +67,12 @@ def test_merge_kernel_lowers_for_cuda():
   assert "stablehlo.gather" not in text and "stablehlo.scatter" not in text
 
 
-@pytest.mark.parametrize("d_chunk,splits,unroll", [(0, 4, True), (16, 1, True), (64, 32, False),
-                                                   (32, 2, False), (None, 16, True)])
+_slow = pytest.mark.slow      # the default path is tested fast; the other forms in `make test-all`
+
+
+@pytest.mark.parametrize("d_chunk,splits,unroll", [
+    (0, 4, True), (16, 1, True), (None, 16, True),
+    pytest.param(64, 32, False, marks=_slow), pytest.param(32, 2, False, marks=_slow)])
 def test_merge_kernel_chunking_does_not_change_the_result(d_chunk, splits, unroll):
   """Channel chunks (grid axis 3), splits per step and unrolled loops only reorganize the work
   (ns = 7: 7, 4 or 1 split steps; the window 3 steps: unrolled where <= MAX_UNROLL)."""
@@ -79,7 +83,9 @@ def test_merge_kernel_chunking_does_not_change_the_result(d_chunk, splits, unrol
   np.testing.assert_allclose(np.asarray(got), np.asarray(_reference(*args)), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("step,dot", [(16, "f32"), (16, "split"), (32, "f32"), (64, "split")])
+@pytest.mark.parametrize("step,dot", [(16, "f32"), (32, "split"),
+                                      pytest.param(32, "f32", marks=_slow),
+                                      pytest.param(64, "split", marks=_slow)])
 def test_merge_kernel_window_steps_and_dots(step, dot):
   """Window slots per step and the window's dot form (one IEEE float32 dot, or three 16-bit
   tensor-core dots) agree with the float32 reference; sinks 3 + ring 48 + window 16."""
