@@ -427,7 +427,7 @@ def _decode_quant(q, kv, *, sm_scale, num_splits, num_warps, num_stages, slots_p
 # was lower; once the Mosaic path's merge became one kernel (session 9) it wins at every size
 # timed. H200, 2026-12-04 (docs/benchmarks.md, session 10; 2-bit + 2 %), triton / mosaic ms:
 # B=1 4k 0.060 / 0.033; B=8 4k 0.058 / 0.044; B=1 32k 0.071 / 0.037; B=8 32k 0.353 / 0.136.
-# Session 11's three runs agree (small calls vary run to run; Mosaic never slower at 4k).
+# Session 11's five bench runs agree (small calls vary run to run; Mosaic never slower at 4k).
 
 
 def choose_backend(backend: str, kv: kq.QuantizedKV, num_q_heads_per_kv: int, interpret: bool) -> str:

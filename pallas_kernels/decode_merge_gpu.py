@@ -62,11 +62,6 @@ def _load(ref, idx, mask, other=0.0):
   return pltriton.load(ref.at[idx], mask=mask, other=jnp.asarray(other, ref.dtype))
 
 
-def _dot(a, b, **kw):
-  """f32 dot with IEEE precision (no tf32), as the jnp reference computes the window."""
-  return pltriton.dot(a, b, allow_tf32=False, **kw)
-
-
 def _dot_f32(a, b, *, split: bool, trans_b: bool = False):
   """``a @ b`` (or ``b^T``) for float32 ``a`` and 16-bit ``b``, to about float32 accuracy.
 
@@ -74,8 +69,8 @@ def _dot_f32(a, b, *, split: bool, trans_b: bool = False):
   float32 accumulation (the products of 16-bit values are exact; the three terms carry
   24+ significant bits of ``a``). Else one IEEE float32 dot, which Triton runs on the FMA
   units through shared-memory layout conversions: slow (see WINDOW_DOT)."""
-  if not split:
-    return _dot(a, b.astype(jnp.float32), trans_b=trans_b)
+  if not split:       # IEEE (no tf32), as the jnp reference computes the window
+    return pltriton.dot(a, b.astype(jnp.float32), trans_b=trans_b, allow_tf32=False)
   out, rest = None, a
   for _ in range(3):
     term = rest.astype(b.dtype)
