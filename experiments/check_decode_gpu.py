@@ -3,9 +3,10 @@
 The CPU test suite runs the kernel in interpret mode, where the dequantization is
 plain jnp; this script checks the inline-PTX path the GPU compiles.
 Usage (device machine): PYTHONPATH=. python3 experiments/check_decode_gpu.py [--quick] [--mosaic]
-[--no-inplace] [--interleave] [--loop-descriptors] [--bits=2,3] (--mosaic: the Mosaic GPU kernel, on the
-layouts it supports; --no-inplace: in_place_codes=False; --interleave: interleave_meta=True;
---loop-descriptors: loop_descriptors=True)
+[--no-inplace] [--interleave] [--loop-descriptors] [--fold | --no-fold] [--early] [--bits=2,3]
+(--mosaic: the Mosaic GPU kernel, on the layouts it supports; --no-inplace: in_place_codes=False;
+--interleave: interleave_meta=True; --loop-descriptors: loop_descriptors=True; --fold / --no-fold:
+fold_keys; --early: early_fetch=True; options not given keep the module's defaults)
 """
 import itertools
 import sys
@@ -45,12 +46,12 @@ def main():
                            max_len=1024, lengths=lengths)
     if backend == "mosaic" and not mgpu.supports(cache.layout, ratio):
       continue
-    options = ("--no-inplace", "--interleave", "--loop-descriptors")
-    if backend == "mosaic" and any(o in sys.argv for o in options):
-      out = mgpu.decode_attention_mgpu(q, cache, sm_scale=d ** -0.5,
-                                       in_place_codes="--no-inplace" not in sys.argv,
-                                       interleave_meta="--interleave" in sys.argv,
-                                       loop_descriptors="--loop-descriptors" in sys.argv)
+    flags = {"--no-inplace": ("in_place_codes", False), "--interleave": ("interleave_meta", True),
+             "--loop-descriptors": ("loop_descriptors", True), "--fold": ("fold_keys", True),
+             "--no-fold": ("fold_keys", False), "--early": ("early_fetch", True)}
+    kw = dict(v for f, v in flags.items() if f in sys.argv)
+    if backend == "mosaic" and kw:
+      out = mgpu.decode_attention_mgpu(q, cache, sm_scale=d ** -0.5, **kw)
     else:
       out = decode_attention(q, cache, backend=backend)
     ref = reference.quantized_decode_attention(q, cache)

@@ -243,3 +243,23 @@ def test_loop_descriptors_stay_armed_for_their_kernel_context_only():
     dm._descriptors_in_loop(False)
   with first:
     assert not dm._descriptors_armed()
+
+
+def _copies_and_mmas(text):
+  """The module's TMA copies (T) and MMAs (W) in program order, runs counted: 'T9 W64 T4'."""
+  import itertools
+  seq = ["T" if "cp.async.bulk.tensor" in l else "W" for l in text.splitlines()
+         if "cp.async.bulk.tensor" in l or "wgmma.mma_async" in l]
+  return " ".join(f"{k}{len(list(g))}" for k, g in itertools.groupby(seq))
+
+
+def test_early_fetch_issues_each_half_before_its_mmas():
+  """early_fetch: the next tile's key half (4 copies) is fetched before this tile's score
+  MMAs and its value half before the output MMAs (the codes are in registers, metadata and
+  outliers staged); without it, after them. Not where outliers are read raw (unstaged)."""
+  # query, outlier query and the first tile's 8 copies; then per tile 8 slots x 8 K-steps
+  # of score MMAs and 8 slots x 2 x 4 of output MMAs
+  assert _copies_and_mmas(_mosaic_module_text(early_fetch=False)) == "T9 W64 T4 W64 T4"
+  assert _copies_and_mmas(_mosaic_module_text(early_fetch=True)) == "T13 W64 T4 W64"
+  assert (_mosaic_module_text(early_fetch=True, staged_outliers=False)
+          == _mosaic_module_text(early_fetch=False, staged_outliers=False))
