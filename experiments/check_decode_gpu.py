@@ -3,10 +3,10 @@
 The CPU test suite runs the kernel in interpret mode, where the dequantization is
 plain jnp; this script checks the inline-PTX path the GPU compiles.
 Usage (device machine): PYTHONPATH=. python3 experiments/check_decode_gpu.py [--quick] [--mosaic]
-[--no-inplace] [--interleave] [--loop-descriptors] [--fold | --no-fold] [--early] [--bits=2,3]
+[--no-inplace] [--interleave] [--loop-descriptors] [--no-early] [--bits=2,3]
 (--mosaic: the Mosaic GPU kernel, on the layouts it supports; --no-inplace: in_place_codes=False;
---interleave: interleave_meta=True; --loop-descriptors: loop_descriptors=True; --fold / --no-fold:
-fold_keys; --early: early_fetch=True; options not given keep the module's defaults)
+--interleave: interleave_meta=True; --loop-descriptors: loop_descriptors=True; --no-early:
+early_fetch=False; options not given keep the module's defaults)
 """
 import itertools
 import sys
@@ -47,8 +47,8 @@ def main():
     if backend == "mosaic" and not mgpu.supports(cache.layout, ratio):
       continue
     flags = {"--no-inplace": ("in_place_codes", False), "--interleave": ("interleave_meta", True),
-             "--loop-descriptors": ("loop_descriptors", True), "--fold": ("fold_keys", True),
-             "--no-fold": ("fold_keys", False), "--early": ("early_fetch", True)}
+             "--loop-descriptors": ("loop_descriptors", True),
+             "--no-early": ("early_fetch", False)}
     kw = dict(v for f, v in flags.items() if f in sys.argv)
     if backend == "mosaic" and kw:
       out = mgpu.decode_attention_mgpu(q, cache, sm_scale=d ** -0.5, **kw)

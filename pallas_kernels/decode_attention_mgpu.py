@@ -112,13 +112,12 @@ INTERLEAVE_META = False  # s2/z2 of two register tiles in one 128-bit load (_sta
 LOOP_DESCRIPTORS = True  # MMA descriptors formed in the loop, not held in registers across it
                          # (_descriptors_in_loop; H200, B=8 32k: 0.163 / 0.158 vs 0.175 / 0.172 ms,
                          # 255 registers + 80 B spilled -> 235, none)
-_N_COMMON = 12           # scratch buffers every program has (before its _Own ones)
+_N_COMMON = 10           # scratch buffers every program has (before its _Own ones)
 SPLIT_FETCH = True       # tiles fetched by hand in key and value halves, each as soon as its
                          # buffers are free (H200: B=8 32k 0.199 -> 0.194 ms, B=1 128k 0.144 -> 0.140)
-FOLD_KEYS = False        # key scales folded into the query (an MMA B operand per slot), zero-points
-                         # into a per-slot score bias: the key dequantization loads no metadata
-EARLY_FETCH = False      # split_fetch: a half's next tile is fetched as soon as its codes are in
+EARLY_FETCH = True       # split_fetch: a half's next tile is fetched as soon as its codes are in
                          # registers (its metadata and outliers already staged), not after its MMAs
+                         # (H200, B=8 32k: 0.118-0.119 vs 0.119-0.120 ms; 1x128k 0.072 vs 0.073)
 
 
 def supports(layout: kq.KVLayout, num_q_heads_per_kv: int) -> bool:
@@ -267,14 +266,13 @@ def _rotate_words(words, r):
 
 
 def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=None,
-             interleaved=False, timing_form="", pos=None, folded=False):
+             interleaved=False, timing_form="", pos=None):
   """uint16 code words [M, N] (WGMMA layout) -> fp16 [M, N] (WGMMA layout), in registers.
 
   meta_ref: shared memory ``f16[2, ...]`` holding ``s2 = s * 2**bits`` (``[0]``) and
   ``z2 = z - s2`` (``[1]``), staged once per tile (``pos``, for ``in_place_codes``: the
   codes already sit at bits ``[pos, pos + bits)`` and s2 = s * 2**(10 - pos); no
-  rotation). ``folded`` (``fold_keys``): ``code * 2**(pos - 10)`` only, no metadata.
-  ``meta_index(mt, k, warp, quad)``
+  rotation). ``meta_index(mt, k, warp, quad)``
   gives the indices (into ``meta_ref[0]``) of the f16 pair that scales the two
   columns a thread holds in register tile ``(mt, k)``: in the WGMMA layout, thread
   ``32 * warp + 4 * r + quad`` holds rows ``64 mt + 16 warp + r (+ 8)`` and columns
@@ -313,8 +311,6 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
     raw, nometa = timing_form == "raw", timing_form == "nometa"
     if raw or nometa:
       asm = _dequant_asm_at(bits, pos if pos is not None else 10 - bits)
-    elif folded:
-      asm = _dequant_asm_folded(bits, pos)
     else:
       asm = _dequant_asm(bits, slot, timing_form) if pos is None else _dequant_asm_at(bits, pos)
     regs = w.registers
@@ -325,7 +321,7 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
                        arith.shrui(arith.andi(tid, _i32(31)), _i32(2)))
     for idx in np.ndindex(regs.shape):
       mt, k = idx[0], idx[1]
-      if (raw or nometa or folded) and (mt, k) not in meta:
+      if (raw or nometa) and (mt, k) not in meta:
         meta[mt, k] = [_i32(0x3C003C00), _i32(0)]
       elif interleaved and (mt, k) not in meta:      # one load for register tiles k and k ^ 1
         four = vector.load(ir.VectorType.get((4,), i32), mref,
@@ -338,12 +334,7 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
                        for a in (0, 1)]
       w32 = mgpu_utils.bitcast(regs[idx], i32)
       s2, z2 = meta[mt, k]
-      if raw:
-        r = w32
-      elif folded:
-        r = llvm.inline_asm(i32, [w32], asm, "=r,r")
-      else:
-        r = llvm.inline_asm(i32, [w32, s2, z2], asm, "=r,r,r,r")
+      r = w32 if raw else llvm.inline_asm(i32, [w32, s2, z2], asm, "=r,r,r,r")
       if patch is not None:
         patched = patch(idx[0], idx[1], idx[4], r, pref[0], row, quad_i32)
         r = r if patched is None else patched
@@ -473,167 +464,6 @@ def _stage_outliers(src_ref, dst_ref, *, tokens_major, base=0):
         x = arith.truncf(f16, arith.extf(f32, memref.load(src, [_ix(o)] + ti)))
         memref.store(x, dst, [_index(t), _ix(base + o)] if tokens_major else [_ix(o)] + ti)
   fn(src_ref, dst_ref)
-
-
-def _dequant_asm_folded(bits, pos):
-  """``fold_keys``: codes at bits ``[pos, pos + bits)`` of both halves -> ``a = code *
-  2**(pos - 10)`` (lop3 to ``1 + a``, then subtract 1: exact), no metadata: the key's
-  scale sits in the query (``_stage_folded_query``), its zero-point in a per-slot bias."""
-  mask = ((1 << bits) - 1) << pos
-  return ("{ .reg .b32 t, one; mov.b32 one, 0x3c003c00; "
-          f"lop3.b32 t, $1, {mask * 0x10001:#010x}, 0x3c003c00, 0xea; "
-          "sub.rn.f16x2 $0, t, one; }")
-
-
-def _swizzled_col(row, col):
-  """Column index inside a 128-byte-swizzled (8, 64) fp16 tile: 16-byte chunk ``col // 8``
-  of row ``row`` sits at chunk ``(col // 8) ^ (row % 8)`` (i32 values in, i32 out)."""
-  chunk = arith.xori(arith.shrui(arith.andi(col, _i32(63)), _i32(3)), arith.andi(row, _i32(7)))
-  return arith.ori(arith.shli(chunk, _i32(3)), arith.andi(col, _i32(7)))
-
-
-def _stage_folded_query(q_ref, meta_ref, dst_ref, *, dp, gps, spg, lo_col):
-  """``fold_keys``, once per tile: ``dst [cpw, npad, D_pad]`` (fp16, swizzled as ``q``)
-  slot ``j``, column ``n``: query head ``h(n)`` times the staged key scale ``s2 = s *
-  2**(10 - pos)`` of the key group that column serves, rounded once to fp16. With two
-  groups per slot (``gps = 2``, G = 32) columns ``n`` and ``n + npad / 2`` are head ``n``
-  for the slot's first and second group; else (``spg`` slots per group) column ``n`` is
-  head ``n``. Channels from ``lo_col`` on (the outliers' MMA columns, and padding) keep
-  the plain query. Thread ``t`` handles 16 channels ``16 (t % (D_pad / 16))`` of every
-  ``128 / (D_pad / 16)``-th row."""
-  tr = _transforms(dp, 2)
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(tr), plgpu.RefType(), plgpu.RefType(tr)))
-  def fn(ctx, q, meta, dst):
-    del ctx
-    i32 = ir.IntegerType.get_signless(32)
-    f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
-    cpw, npad = ir.MemRefType(dst.type).shape[0], ir.MemRefType(dst.type).shape[1] * 8
-    rows, nch = cpw * npad, dp // 16
-    assert 128 % nch == 0 and npad == 8
-    hp = npad // gps
-    tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
-    ch = arith.remui(tid, _i32(nch))
-    step = 128 // nch
-    for i in range(-(-rows // step)):
-      row = arith.minui(arith.addi(arith.divui(tid, _i32(nch)), _i32(step * i)), _i32(rows - 1))
-      j, n = arith.divui(row, _i32(npad)), arith.remui(row, _i32(npad))   # repeats write alike
-      h, par = arith.remui(n, _i32(hp)), arith.divui(n, _i32(hp))
-      g = arith.addi(arith.muli(j, _i32(2)), par) if gps == 2 else arith.divui(j, _i32(spg))
-      for pr in range(8):
-        c = arith.addi(arith.muli(ch, _i32(16)), _i32(2 * pr))
-        qi = [_ix(0), _index(arith.shrui(c, _i32(6))), _index(h), _index(_swizzled_col(h, c))]
-        qv = mgpu_utils.bitcast(vector.load(f16x2, q, qi), i32)
-        s2 = vector.load(f16x2, meta, [_ix(0), _index(g), _index(c)])
-        prod = mgpu_utils.bitcast(arith.mulf(mgpu_utils.bitcast(qv, f16x2), s2), i32)
-        mask = _i32(0)
-        for e in (0, 1):                 # halves below lo_col take the product
-          low = arith.cmpi(arith.CmpIPredicate.slt, arith.addi(c, _i32(e)), _i32(lo_col))
-          mask = arith.ori(mask, arith.select(low, _i32(0xFFFF << (16 * e)), _i32(0)))
-        val = arith.ori(arith.andi(prod, mask), arith.andi(qv, arith.xori(mask, _i32(-1))))
-        di = [_index(j), _ix(0), _index(arith.shrui(c, _i32(6))), _index(n), _index(_swizzled_col(n, c))]
-        vector.store(mgpu_utils.bitcast(val, f16x2), dst, di)
-  fn(q_ref, meta_ref, dst_ref)
-
-
-def _zero_rows(template, kz_ref, *, kr, lo_col):
-  """``fold_keys``: the MMA A operand ``[64, D_pad]`` fp16 (WGMMA layout) whose row ``g < kr``
-  is key group ``g``'s zero-points (converted from the raw metadata tile ``kz [kr, D_pad]``)
-  in columns below ``lo_col`` (the low-bit channels), zeros elsewhere; ``template`` is any
-  fp16 array of that shape and layout."""
-  dtype = jnp.dtype(kz_ref.dtype)
-  width = dtype.itemsize * 8
-  conv = _to_f16x2_asm(dtype)
-  wl = plgpu.Layout.WGMMA
-
-  @plgpu.inline_mgpu(arg_types=(wl, plgpu.RefType()),
-                     return_type=plgpu.ShapeDtypeStruct(template.shape, jnp.float16, wl))
-  def fn(ctx, tmpl, kz):
-    del ctx
-    i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
-    iw = ir.IntegerType.get_signless(2 * width)              # a pair of elements
-    f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
-    dp = ir.MemRefType(kz.type).shape[-1]
-    tid = mgpu_utils.thread_idx()
-    warp = arith.andi(arith.shrui(tid, _i32(5)), _i32(3))
-    r = arith.andi(arith.shrui(tid, _i32(2)), _i32(7))
-    quad = arith.andi(tid, _i32(3))
-    ptr = mgpu_utils.memref_ptr(kz)
-    out = tmpl.registers.copy()
-    for idx in np.ndindex(out.shape):
-      k, half = idx[1], idx[4]
-      row = arith.addi(arith.addi(arith.muli(warp, _i32(16)), r), _i32(8 * half))
-      valid = arith.cmpi(arith.CmpIPredicate.ult, row, _i32(kr))
-      col = arith.addi(_i32(8 * k), arith.muli(quad, _i32(2)))
-      at = arith.addi(arith.muli(arith.minui(row, _i32(kr - 1)), _i32(dp)), col)
-      bits = llvm.load(iw, mgpu_utils.getelementptr(ptr, [arith.muli(at, _i32(width // 8))], i8))
-      pair = llvm.inline_asm(i32, [bits], conv, "=r,h" if width == 8 else "=r,r")
-      mask = _i32(0)
-      for e in (0, 1):                   # halves of low-bit channels
-        low = arith.cmpi(arith.CmpIPredicate.slt, arith.addi(col, _i32(e)), _i32(lo_col))
-        mask = arith.ori(mask, arith.select(low, _i32(0xFFFF << (16 * e)), _i32(0)))
-      out[idx] = mgpu_utils.bitcast(arith.select(valid, arith.andi(pair, mask), _i32(0)), f16x2)
-    return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-  return fn(template, kz_ref)
-
-
-def _write_bias(zq, bias_ref, *, kr, gps, spg):
-  """``fold_keys``: ``zq [64, npad]`` f32 (WGMMA layout; row g < kr, column h: sum_c q_h,c
-  z_g,c) -> ``bias [cpw, npad]`` f32, entry (slot j, column n) for the group and head that
-  column serves in slot j (``_stage_folded_query``'s mapping)."""
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
-  def fn(ctx, za, ref):
-    del ctx
-    npad = ir.MemRefType(ref.type).shape[-1]
-    hp = npad // gps
-    tid = mgpu_utils.thread_idx()
-    warp = arith.andi(arith.shrui(tid, _i32(5)), _i32(3))
-    r = arith.andi(arith.shrui(tid, _i32(2)), _i32(7))
-    quad = arith.andi(tid, _i32(3))
-    for idx in np.ndindex(za.registers.shape):
-      k, half = idx[1], idx[4]
-      g = arith.addi(arith.addi(arith.muli(warp, _i32(16)), r), _i32(8 * half))
-      for e in (0, 1):
-        h = arith.addi(arith.addi(_i32(8 * k), arith.muli(quad, _i32(2))), _i32(e))
-        x = vector.extract(za.registers[idx], [], [e])
-        ok = arith.andi(arith.cmpi(arith.CmpIPredicate.ult, g, _i32(kr)),
-                        arith.cmpi(arith.CmpIPredicate.ult, h, _i32(hp)))
-        for s_ in range(spg):
-          if gps == 2:
-            j = arith.shrui(g, _i32(1))
-            n = arith.addi(h, arith.muli(arith.andi(g, _i32(1)), _i32(hp)))
-          else:
-            j, n = arith.addi(arith.muli(g, _i32(spg)), _i32(s_)), h
-          with mgpu_utils.when(ok):
-            memref.store(x, ref, [_index(j), _index(n)])
-  fn(zq, bias_ref)
-
-
-def _pick_parity(s):
-  """``fold_keys`` with two key groups per slot: scores ``[64, 8]`` f32 (WGMMA layout) whose
-  columns ``h`` and ``h + 4`` are head h against the slot's first and second group -> the
-  rows of the second group (warps 2 and 3) take column ``h + 4`` into column h (one
-  butterfly shuffle: lane ^ 2 holds it)."""
-  wl = plgpu.Layout.WGMMA
-
-  @plgpu.inline_mgpu(arg_types=(wl,), return_type=plgpu.ShapeDtypeStruct(s.shape, jnp.float32, wl))
-  def fn(ctx, sa):
-    del ctx
-    f32 = ir.F32Type.get()
-    tid = mgpu_utils.thread_idx()
-    second = arith.andi(arith.cmpi(arith.CmpIPredicate.uge, arith.andi(tid, _i32(127)), _i32(64)),
-                        arith.cmpi(arith.CmpIPredicate.ult, arith.andi(tid, _i32(3)), _i32(2)))
-    out = sa.registers.copy()
-    for idx in np.ndindex(out.shape):
-      v = out[idx]
-      elems = []
-      for e in (0, 1):
-        x = vector.extract(v, [], [e])
-        y = llvm.inline_asm(f32, [x], "shfl.sync.bfly.b32 $0, $1, 2, 0x1f, 0xffffffff;", "=f,f")
-        elems.append(arith.select(second, y, x))
-      out[idx] = vector.from_elements(v.type, elems)
-    return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-  return fn(s)
 
 
 _POW2_FORMAT = {jnp.dtype(jnp.float16): (16, 15, 10), jnp.dtype(jnp.bfloat16): (16, 127, 7),
@@ -782,7 +612,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
             lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
             ilv: bool = False, wgs: int = 1, split: bool = False, staged: bool = False,
             inplace: bool = False, loop_desc: bool = False, early: bool = False,
-            fold: tuple | None = None, ablate: frozenset = frozenset()):
+            ablate: frozenset = frozenset()):
   """One program: b, h and split from the grid (``wgs == 1``), or ``wgs`` programs per CTA,
   one per warpgroup, each with its own slice (``.at[wg]``) of every scratch buffer: the
   ``_N_COMMON`` every program has, then (``_Own``) its tile buffers, barriers and staging."""
@@ -796,7 +626,7 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
     _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
              o_ref, oo_ref, m_ref, l_ref, *common, lay=lay, bps=bps, phase=phase, inflight=inflight,
              omma=omma, stages=stages, npad=npad, ilv=ilv, staged=staged, inplace=inplace,
-             loop_desc=loop_desc, early=early, fold=fold, ablate=ablate, own=own)
+             loop_desc=loop_desc, early=early, ablate=ablate, own=own)
     return
   wg = lax.axis_index("wg")
   prog = lax.axis_index("c") * wgs + wg
@@ -809,27 +639,22 @@ def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_re
     _program(prog // (nh * ns), (prog // ns) % nh, prog % ns, nq_ref, q_ref, qo_ref, kc_ref, ks_ref,
              kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref, o_ref, oo_ref, m_ref, l_ref, *common,
              lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma, stages=stages, npad=npad,
-             ilv=ilv, staged=staged, inplace=inplace, loop_desc=loop_desc, early=early, fold=fold,
-             ablate=ablate, own=own)
+             ilv=ilv, staged=staged, inplace=inplace, loop_desc=loop_desc, early=early, ablate=ablate,
+             own=own)
 
 
 def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
              o_ref, oo_ref, m_ref, l_ref,
              q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar, kout_smem, vout_smem,
-             kmult_smem, vmult_smem, qs_smem, bias_smem,
+             kmult_smem, vmult_smem,
              *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
              ilv: bool = False, staged: bool = False, inplace: bool = False, loop_desc: bool = False,
-             early: bool = False, fold: tuple | None = None, ablate: frozenset = frozenset(),
-             own: _Own | None = None):
+             early: bool = False, ablate: frozenset = frozenset(), own: _Own | None = None):
   """With ``own`` the tiles are fetched by hand, one tile in flight in two halves: the next
   tile's keys as soon as this tile's key buffers are read (after the score MMAs), its values
   after the output MMAs. ``early``: as soon as the last phase has loaded a half's code
   words into registers, where nothing else reads that half's buffers after (staged outliers,
-  none as rank-1 updates). Without ``own``, ``plgpu.emit_pipeline`` fetches whole tiles.
-  ``fold`` (``fold_keys``: key groups per slot, slots per key group): scores are
-  ``code * 2**(pos - 10)`` (no metadata) against the query times the staged key scales
-  (``qs_smem [cpw, npad, D_pad]``, per tile) plus ``bias_smem [cpw, npad]`` = query .
-  zero-points (one small MMA per tile)."""
+  none as rank-1 updates). Without ``own``, ``plgpu.emit_pipeline`` fetches whole tiles."""
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
   dp, n_out, ng = lay.d_pad, lay.n_out, lay.n_groups_tok
@@ -979,27 +804,11 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
         mult = (kmult_smem if dst is kmeta_smem else vmult_smem)[...].astype(jnp.float16)
         s2 = src_s[...].astype(jnp.float16) * mult
         dst[0] = s2
-        if not (fold and dst is kmeta_smem):     # folded keys read raw zero-points (_zero_rows)
-          dst[1] = src_z[...].astype(jnp.float16) - s2
+        dst[1] = src_z[...].astype(jnp.float16) - s2
         continue
       s2, z2 = _meta_pair(src_s[...], src_z[...], bits)
       dst[0] = s2
       dst[1] = z2
-    plgpu.commit_smem()
-
-  def stage_fold(kz):
-    """fold_keys: this tile's scaled queries and per-slot score biases (after the staged
-    key scales are visible: stage_meta ends with a barrier)."""
-    gps, spg = fold
-    _stage_folded_query(q_smem, kmeta_smem, qs_smem, dp=dp, gps=gps, spg=spg, lo_col=lo_col)
-    zrows = _zero_rows(plgpu.layout_cast(jnp.zeros((SLOT, dp), jnp.float16), wl), kz, kr=kr,
-                       lo_col=lo_col)
-
-    def zmma(acc_ref):
-      plgpu.wgmma(acc_ref, zrows, plgpu.transpose_ref(q_smem, (1, 0)))
-      plgpu.wgmma_wait(0)
-      return acc_ref[...]
-    _write_bias(pl.run_scoped(zmma, plgpu.ACC((SLOT, npad), f32)), bias_smem, kr=kr, gps=gps, spg=spg)
     plgpu.commit_smem()
 
   def tok_idx(j):                                   # token-minor index of slot j's 64 tokens
@@ -1018,8 +827,6 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
                    outliers=((ko, True), (vo, False)) if staged else ())
       else:
         stage_meta((ks, kz, kmeta_smem), outliers=((ko, True),) if staged else (), opening=False)
-      if fold:
-        stage_fold(kz)
     for j0 in range(0, cpw, phase):
       js = range(j0, min(j0 + phase, cpw))
       with jax.named_scope("qk"):     # a region in profile traces
@@ -1036,11 +843,9 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
               words = _rotate_words(words, plan[j][0])      # in place: the old words are dead
             k16 = _dequant(words, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j), interleaved=ilv,
                            timing_form=k_form, pos=None if plan is None else plan[j][1],
-                           patch_ref=kout_smem if staged else ko, patch=key_patch(j) if omma else None,
-                           folded=fold is not None)
-            qb = q_smem if fold is None else qs_smem.at[j]
+                           patch_ref=kout_smem if staged else ko, patch=key_patch(j) if omma else None)
             for _ in range(2 if "dblmma" in ablate else 1):      # timing only: the MMAs' own cost
-              plgpu.wgmma(a_ref, k16, plgpu.transpose_ref(qb, (1, 0)))
+              plgpu.wgmma(a_ref, k16, plgpu.transpose_ref(q_smem, (1, 0)))
             plgpu.wgmma_wait(inflight)            # MMAs left in flight while the next slot dequantizes
           return [a_ref[...] for a_ref in acc_refs]
         ss = pl.run_scoped(qk, *[plgpu.ACC((SLOT, npad), f32) for _ in js])
@@ -1049,10 +854,6 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
           s = ss[n]
           for o in range(0 if "out" in ablate else n_fma):
             s = s + brow(_ld(ko, (o,) + tok_idx(j), ROW), s.shape) * bcol(q_out[o], s.shape)
-          if fold is not None:
-            s = s + bcol(_ld(bias_smem, (j,), COL), s.shape)
-            if fold[0] == 2:               # the second key group's rows take their columns
-              s = _pick_parity(s)
           ss[n] = jnp.where(tbase + j * SLOT + rows < nq, s, NEG)
       if hooks is not None and j0 + phase >= cpw and not early:
         hooks.keys_done()
@@ -1229,8 +1030,8 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                        inflight=1, outliers_in_mma=True, stages=STAGES, heads_pad=None,
                        interleave_meta=INTERLEAVE_META, warpgroups=1, split_fetch=SPLIT_FETCH,
                        staged_outliers=STAGED_OUTLIERS, in_place_codes=IN_PLACE_CODES,
-                       loop_descriptors=LOOP_DESCRIPTORS, early_fetch=EARLY_FETCH, fold_keys=FOLD_KEYS,
-                       profile_dir="", ablate=frozenset(), heads_minor=False):
+                       loop_descriptors=LOOP_DESCRIPTORS, early_fetch=EARLY_FETCH, profile_dir="",
+                       ablate=frozenset(), heads_minor=False):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -1310,15 +1111,6 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
     scratch += [smem((kr, dp), kv.k_scale.dtype), smem((lay.n_groups_tok, tile // c, c), kv.v_scale.dtype)]
   else:
     scratch += [smem((2, 8), jnp.float16), smem((2, 8), jnp.float16)]       # unused
-  G = lay.config.group_size
-  fold = None
-  if (fold_keys and inplace and not ilv and npad == 8 and (omma or not n_out) and dp % 64 == 0
-      and ((G == 32 and 2 * g <= npad) or G % SLOT == 0)):
-    fold = (2, 1) if G == 32 else (1, G // SLOT)       # key groups per slot, slots per key group
-    scratch += [smem((lay.cpw, npad, dp), jnp.float16, transforms=_transforms(dp, 2)),
-                smem((lay.cpw, npad), f32)]
-  else:
-    scratch += [smem((2, 8), jnp.float16), smem((2, 8), jnp.float16)]       # unused
   assert len(scratch) == _N_COMMON
   args = (nq, q_lo, q_out, kv.k_codes, kv.k_scale, kv.k_zero, tm(ko),
           kv.v_codes, tm(kv.v_scale), tm(kv.v_zero), tm(vo))
@@ -1345,7 +1137,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
                         stages=stages, npad=npad, ilv=ilv, wgs=wgs, split=bool(split_fetch),
                         staged=staged, inplace=inplace, loop_desc=bool(loop_descriptors),
-                        early=bool(early_fetch), fold=fold, ablate=ablate),
+                        early=bool(early_fetch), ablate=ablate),
       out_type=out_types, scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024, **prof), **grid,
   )
@@ -1364,15 +1156,14 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                                              "outliers_in_mma", "stages", "heads_pad",
                                              "interleave_meta", "warpgroups", "split_fetch",
                                              "staged_outliers", "in_place_codes", "loop_descriptors",
-                                             "early_fetch", "fold_keys", "profile_dir", "ablate",
-                                             "merge_kernel"))
+                                             "early_fetch", "profile_dir", "ablate", "merge_kernel"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
                           heads_pad=None, interleave_meta=INTERLEAVE_META, warpgroups=1,
                           split_fetch=SPLIT_FETCH, staged_outliers=STAGED_OUTLIERS,
                           in_place_codes=IN_PLACE_CODES, loop_descriptors=LOOP_DESCRIPTORS,
-                          early_fetch=EARLY_FETCH, fold_keys=FOLD_KEYS, profile_dir="",
-                          ablate: frozenset = frozenset(), merge_kernel=True):
+                          early_fetch=EARLY_FETCH, profile_dir="", ablate: frozenset = frozenset(),
+                          merge_kernel=True):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first.
   ``merge_kernel``: sinks, window and the split merge in ``decode_merge_gpu``'s kernel
@@ -1382,8 +1173,8 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
               outliers_in_mma=outliers_in_mma, stages=stages, heads_pad=heads_pad,
               interleave_meta=interleave_meta, warpgroups=warpgroups, split_fetch=split_fetch,
               staged_outliers=staged_outliers, in_place_codes=in_place_codes,
-              loop_descriptors=loop_descriptors, early_fetch=early_fetch, fold_keys=fold_keys,
-              profile_dir=profile_dir, ablate=ablate)
+              loop_descriptors=loop_descriptors, early_fetch=early_fetch, profile_dir=profile_dir,
+              ablate=ablate)
   if merge_kernel and _split_in_mma(kv.layout, outliers_in_mma):
     # window, merge and channel order in one Triton kernel (as XLA ops: ~7 small kernels)
     # (the merge scales the raw query and writes q.dtype itself: two XLA kernels fewer)
