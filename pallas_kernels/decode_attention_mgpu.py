@@ -466,6 +466,57 @@ def _stage_outliers(src_ref, dst_ref, *, tokens_major, base=0):
   fn(src_ref, dst_ref)
 
 
+def _stage_query(raw_ref, idx_ref, dst_ref, *, dp, d_low, scale):
+  """The score MMA's query operand, built in the kernel from the raw queries (no XLA
+  kernels before it): ``raw [g, D]`` (smem, any float dtype) and the key outlier channels
+  ``idx [n_out]`` (global memory, any order) -> ``dst [npad, D_pad]`` fp16 (swizzled as
+  the MMA reads it), row ``n < g``, column ``c``: ``scale`` times query channel
+  ``split[c]``: the c-th non-outlier channel (ascending) for ``c < d_low``, outlier
+  ``c - d_low`` up to ``d_low + n_out``; zeros elsewhere (as ``quantized_partials`` builds
+  it in XLA). Each thread writes every 128th element."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_transforms(dp, 2))))
+  def fn(ctx, raw, idx, dst):
+    del ctx
+    f32, f16 = ir.F32Type.get(), ir.F16Type.get()
+    g, d = ir.MemRefType(raw.type).shape
+    n_out = ir.MemRefType(idx.type).shape[0] if d_low < d else 0
+    npad = ir.MemRefType(dst.type).shape[0] * 8
+    tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
+    ids = [memref.load(idx, [_ix(k)]) for k in range(n_out)]           # i32
+    # t_k: non-outlier channels below outlier k; the j-th non-outlier is j + #{k: t_k <= j}
+    ts = []
+    for k in range(n_out):
+      below = _i32(0)
+      for m in range(n_out):
+        lt = arith.cmpi(arith.CmpIPredicate.slt, ids[m], ids[k])
+        below = arith.addi(below, arith.extui(ir.IntegerType.get_signless(32), lt))
+      ts.append(arith.subi(ids[k], below))
+    for e in range(npad * dp // 128):
+      flat = arith.addi(tid, _i32(128 * e))
+      n, c = arith.divui(flat, _i32(dp)), arith.remui(flat, _i32(dp))
+      src = c
+      for t in ts:
+        le = arith.cmpi(arith.CmpIPredicate.sle, t, c)
+        src = arith.addi(src, arith.extui(ir.IntegerType.get_signless(32), le))
+      for k in range(n_out):
+        src = arith.select(arith.cmpi(arith.CmpIPredicate.eq, c, _i32(d_low + k)), ids[k], src)
+      valid = arith.andi(arith.cmpi(arith.CmpIPredicate.ult, n, _i32(g)),
+                         arith.cmpi(arith.CmpIPredicate.ult, c, _i32(d_low + n_out)))
+      x = memref.load(raw, [_index(arith.minui(n, _i32(g - 1))), _index(arith.minui(src, _i32(d - 1)))])
+      x = arith.mulf(x if x.type == f32 else arith.extf(f32, x), arith.constant(f32, scale))
+      x = arith.select(valid, arith.truncf(f16, x), arith.constant(f16, 0.0))
+      memref.store(x, dst, [_index(arith.shrui(n, _i32(3))), _index(arith.shrui(c, _i32(6))),
+                            _index(arith.andi(n, _i32(7))), _index(_swizzled_col(n, c))])
+  fn(raw_ref, idx_ref, dst_ref)
+
+
+def _swizzled_col(row, col):
+  """Column inside a 128-byte-swizzled (8, 64) fp16 tile: the 16-byte chunk ``col // 8`` of
+  row ``row`` sits at chunk ``(col // 8) ^ (row % 8)`` (i32 in, i32 out)."""
+  chunk = arith.xori(arith.shrui(arith.andi(col, _i32(63)), _i32(3)), arith.andi(row, _i32(7)))
+  return arith.ori(arith.shli(chunk, _i32(3)), arith.andi(col, _i32(7)))
+
+
 _POW2_FORMAT = {jnp.dtype(jnp.float16): (16, 15, 10), jnp.dtype(jnp.bfloat16): (16, 127, 7),
                 jnp.dtype(jnp.float8_e4m3fn): (8, 7, 3)}     # bits, exponent bias, mantissa bits
 
@@ -607,61 +658,68 @@ class _Own(NamedTuple):
     return cls(tuple(refs[:8]), *refs[8:])
 
 
-def _kernel(nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
+def _kernel(len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
             o_ref, oo_ref, m_ref, l_ref, *scratch,
             lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
             ilv: bool = False, wgs: int = 1, split: bool = False, staged: bool = False,
             inplace: bool = False, loop_desc: bool = False, early: bool = False,
-            ablate: frozenset = frozenset()):
+            qprep: float | None = None, ablate: frozenset = frozenset()):
   """One program: b, h and split from the grid (``wgs == 1``), or ``wgs`` programs per CTA,
   one per warpgroup, each with its own slice (``.at[wg]``) of every scratch buffer: the
   ``_N_COMMON`` every program has, then (``_Own``) its tile buffers, barriers and staging."""
   if wgs == 1:
     b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
-    common, own = list(scratch[:_N_COMMON]), None
+    qraw = None
+    if qprep is not None:
+      scratch, qraw = scratch[:-1], scratch[-1]
+    common, own = list(scratch[:_N_COMMON]) + [qraw], None
     if split:                      # one-barrier arrays -> barriers, as the .at[wg] views below
       common[5] = common[5].at[0]
       own = _Own.of(scratch[_N_COMMON:])
       own = own._replace(kbar=own.kbar.at[0], vbar=own.vbar.at[0])
-    _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
+    _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
              o_ref, oo_ref, m_ref, l_ref, *common, lay=lay, bps=bps, phase=phase, inflight=inflight,
              omma=omma, stages=stages, npad=npad, ilv=ilv, staged=staged, inplace=inplace,
-             loop_desc=loop_desc, early=early, ablate=ablate, own=own)
+             loop_desc=loop_desc, early=early, qprep=qprep, ablate=ablate, own=own)
     return
   wg = lax.axis_index("wg")
   prog = lax.axis_index("c") * wgs + wg
   nb, nh, ns = o_ref.shape[:3]
   views = [r.at[wg] for r in scratch]
-  common, own = views[:_N_COMMON], _Own.of(views[_N_COMMON:])
+  common, own = views[:_N_COMMON] + [None], _Own.of(views[_N_COMMON:])
 
   @pl.when(prog < nb * nh * ns)                     # the last CTA may have idle warpgroups
   def _():
-    _program(prog // (nh * ns), (prog // ns) % nh, prog % ns, nq_ref, q_ref, qo_ref, kc_ref, ks_ref,
+    _program(prog // (nh * ns), (prog // ns) % nh, prog % ns, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref,
              kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref, o_ref, oo_ref, m_ref, l_ref, *common,
              lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma, stages=stages, npad=npad,
-             ilv=ilv, staged=staged, inplace=inplace, loop_desc=loop_desc, early=early, ablate=ablate,
-             own=own)
+             ilv=ilv, staged=staged, inplace=inplace, loop_desc=loop_desc, early=early, qprep=qprep,
+             ablate=ablate, own=own)
 
 
-def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
+def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
              o_ref, oo_ref, m_ref, l_ref,
              q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar, kout_smem, vout_smem,
-             kmult_smem, vmult_smem,
+             kmult_smem, vmult_smem, qraw_smem,
              *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
              ilv: bool = False, staged: bool = False, inplace: bool = False, loop_desc: bool = False,
-             early: bool = False, ablate: frozenset = frozenset(), own: _Own | None = None):
+             early: bool = False, qprep: float | None = None, ablate: frozenset = frozenset(),
+             own: _Own | None = None):
   """With ``own`` the tiles are fetched by hand, one tile in flight in two halves: the next
   tile's keys as soon as this tile's key buffers are read (after the score MMAs), its values
   after the output MMAs. ``early``: as soon as the last phase has loaded a half's code
   words into registers, where nothing else reads that half's buffers after (staged outliers,
-  none as rank-1 updates). Without ``own``, ``plgpu.emit_pipeline`` fetches whole tiles."""
+  none as rank-1 updates). Without ``own``, ``plgpu.emit_pipeline`` fetches whole tiles.
+  ``qprep`` (the query scale): ``q_ref`` holds the raw queries ``[B, H, g, D]``, staged
+  into the MMA operand here (``_stage_query``); else the operand itself."""
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
   dp, n_out, ng = lay.d_pad, lay.n_out, lay.n_groups_tok
   P = SLOT * cpw                                    # tokens per tile
   C = _chunk(P)                                     # token-minor arrays: [n, Cq // C, C] (TMA boxes <= 256)
   kr = max(1, P // G)                               # key-metadata rows per tile
-  nq = nq_ref[b]
+  nq = jnp.minimum(lax.div(jnp.maximum(len_ref[b] - (cfg.sink_tokens + cfg.residual_window), 0), G) * G,
+                   lay.cq)                          # tokens in the quantized region (num_quantized)
   tile0 = sp * bps
   f32 = jnp.float32
   wl = plgpu.Layout.WGMMA
@@ -679,14 +737,17 @@ def _program(b, h, sp, nq_ref, q_ref, qo_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc
 
   _at_lowering(lambda: _descriptors_in_loop(loop_desc))
   qbar = bar.at[0] if own is None else bar          # (own: already one barrier)
-  plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, qbar)
+  plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem if qprep is None else qraw_smem, qbar)
   if n_fma:
     plgpu.copy_gmem_to_smem(qo_ref.at[b, h], qo_smem, qbar)
   plgpu.barrier_wait(qbar)
+  if qprep is not None:
+    _stage_query(qraw_smem, idx_ref.at[b, h], q_smem, dp=dp, d_low=lo_col, scale=qprep)
   q_out = [_ld(qo_smem, (o,), COL) for o in range(n_fma)]              # [npad] f32 each
   if plan is not None and not ilv:     # read by other threads only after this barrier
     _fill_slot_multipliers(kmult_smem, unit=kmult_smem.shape[-1] * SLOT // G, exps=slot_exps)
     _fill_slot_multipliers(vmult_smem, unit=SLOT, exps=slot_exps)
+  if qprep is not None or (plan is not None and not ilv):
     plgpu.commit_smem()
 
   rows = plgpu.broadcasted_iota(jnp.int32, (SLOT, npad), 0, layout=wl)
@@ -1031,7 +1092,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                        interleave_meta=INTERLEAVE_META, warpgroups=1, split_fetch=SPLIT_FETCH,
                        staged_outliers=STAGED_OUTLIERS, in_place_codes=IN_PLACE_CODES,
                        loop_descriptors=LOOP_DESCRIPTORS, early_fetch=EARLY_FETCH, profile_dir="",
-                       ablate=frozenset(), heads_minor=False):
+                       ablate=frozenset(), heads_minor=False, raw_query=None, raw_scale=None):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -1040,6 +1101,9 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   ``heads_minor`` (only where ``_split_in_mma``: the outliers' outputs are columns of the
   MMA), the kernel's own outputs: m, l ``[B, H, NS, N]``, o ``[B, H, NS, D_pad, N]`` (``N``
   padded query heads; channels in split order), as ``decode_merge_gpu`` takes them.
+  ``raw_query`` ``[B, H, g, D]`` (unscaled, any float dtype) with ``raw_scale`` (``sm_scale
+  * log2(e)``): where the outliers' query goes into the MMA, the kernel builds its query
+  operand from these itself (``qg`` then only gives shapes): no XLA kernels before it.
   """
   lay = kv.layout
   f32 = jnp.float32
@@ -1060,7 +1124,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   if omma or not n_out:           # the outlier channels' query goes in the MMA's padding:
     split = jnp.concatenate([lo_idx, kv.k_outlier_idx.astype(jnp.int32)], axis=-1)   # one gather
     q_lo = jnp.take_along_axis(qg, jnp.broadcast_to(split, (b, h, d))[:, :, None, :], axis=3)
-    q_out = jnp.zeros((1, 1, nop, npad), f32)         # unread (no rank-1 outlier updates)
+    q_out = np.zeros((1, 1, nop, npad), np.float32)   # unread (no rank-1 outlier updates); a literal
   else:
     q_lo = jnp.take_along_axis(qg, lo_idx[:, :, None, :], axis=3)
     q_out = jnp.take_along_axis(qg, kv.k_outlier_idx[:, :, None, :], axis=3)     # [B,H,g,n_out]
@@ -1069,7 +1133,15 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   ko, vo = kv.k_outliers, kv.v_outliers
   if not n_out:
     ko = vo = jnp.zeros((b, h, 1, lay.cq), jnp.bfloat16)
-  nq = lay.num_quantized(kv.lengths)
+  qprep = None
+  idx_in = np.zeros((b, h, 1), np.int32)            # unread (a literal: no XLA kernel)
+  if raw_query is not None and (omma or not n_out) and int(warpgroups) == 1:   # (3 per CTA: no room)
+    if raw_scale is None or raw_query.shape != qg.shape:
+      raise ValueError(f"raw_query must have qg's shape {qg.shape} (got {raw_query.shape}) "
+                       f"and come with raw_scale (got {raw_scale})")
+    qprep, q_lo = float(raw_scale), raw_query
+    if n_out:
+      idx_in = kv.k_outlier_idx.astype(jnp.int32)
   c = _chunk(SLOT * lay.cpw)
   tm = lambda x: x.reshape(x.shape[:3] + (x.shape[3] // c, c))      # token-minor: [.., n, Cq/C, C]
 
@@ -1112,18 +1184,20 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   else:
     scratch += [smem((2, 8), jnp.float16), smem((2, 8), jnp.float16)]       # unused
   assert len(scratch) == _N_COMMON
-  args = (nq, q_lo, q_out, kv.k_codes, kv.k_scale, kv.k_zero, tm(ko),
+  args = (kv.lengths.astype(jnp.int32), q_lo, q_out, idx_in, kv.k_codes, kv.k_scale, kv.k_zero, tm(ko),
           kv.v_codes, tm(kv.v_scale), tm(kv.v_zero), tm(vo))
   if wgs > 1 or split_fetch:     # this program's _Own buffers: tiles (as the block specs), barriers, staging
     blocks = [((SLOT, dp), _transforms(dp, 2)), ((kr, dp), ()), ((kr, dp), ()),
               ((ko.shape[2], tile // c, c), ()), ((SLOT, dp), _transforms(dp, 2)),
               ((lay.n_groups_tok, tile // c, c), ()), ((lay.n_groups_tok, tile // c, c), ()),
               ((vo.shape[2], tile // c, c), ())]
-    scratch += [smem(shape, x.dtype, transforms=tr) for (shape, tr), x in zip(blocks, args[3:])]
+    scratch += [smem(shape, x.dtype, transforms=tr) for (shape, tr), x in zip(blocks, args[4:])]
     scratch += [plgpu.Barrier(num_barriers=wgs, num_arrivals=4), plgpu.Barrier(num_barriers=wgs, num_arrivals=4),
                 smem((dp, npad), f32), smem((nop, npad), f32), smem((2, npad), f32)]
     if wgs > 1:
       scratch.append(smem((256,), f32))                     # cross-warp reductions
+  if qprep is not None:
+    scratch.append(smem((g, d), q_lo.dtype))                # the raw queries (last: one program per CTA)
   if wgs > 1:
     n_cta = -(-(b * h * ns) // wgs)
     grid = dict(grid=(n_cta,), grid_names=("c",), num_threads=wgs, thread_name="wg")
@@ -1137,7 +1211,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
                         stages=stages, npad=npad, ilv=ilv, wgs=wgs, split=bool(split_fetch),
                         staged=staged, inplace=inplace, loop_desc=bool(loop_descriptors),
-                        early=bool(early_fetch), ablate=ablate),
+                        early=bool(early_fetch), qprep=qprep, ablate=ablate),
       out_type=out_types, scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024, **prof), **grid,
   )
@@ -1178,7 +1252,8 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
   if merge_kernel and _split_in_mma(kv.layout, outliers_in_mma):
     # window, merge and channel order in one Triton kernel (as XLA ops: ~7 small kernels)
     # (the merge scales the raw query and writes q.dtype itself: two XLA kernels fewer)
-    m, l, o = quantized_partials(qg, kv, heads_minor=True, **opts)
+    m, l, o = quantized_partials(qg, kv, heads_minor=True, raw_query=q.reshape(qg.shape),
+                                 raw_scale=sm_scale * LOG2E, **opts)
     return merge_heads_minor(q.reshape(qg.shape), kv, m, l, o, interpret=False,
                              q_scale=sm_scale * LOG2E, out_dtype=q.dtype).reshape(q.shape)
   out = merge_partials(qg, kv, *quantized_partials(qg, kv, **opts))
