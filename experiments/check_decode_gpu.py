@@ -3,7 +3,8 @@
 The CPU test suite runs the kernel in interpret mode, where the dequantization is
 plain jnp; this script checks the inline-PTX path the GPU compiles.
 Usage (device machine): PYTHONPATH=. python3 experiments/check_decode_gpu.py [--quick] [--mosaic]
-[--no-inplace] [--interleave] [--loop-descriptors] [--no-early] [--bits=2,3]
+[--no-inplace] [--interleave] [--loop-descriptors] [--no-early] [--bits=2,3] [--fracs=0.0,0.02]
+[--ratios=1,4,16] (outlier fractions; query heads per kv-head, default 4)
 (--mosaic: the Mosaic GPU kernel, on the layouts it supports; --no-inplace: in_place_codes=False;
 --interleave: interleave_meta=True; --loop-descriptors: loop_descriptors=True; --no-early:
 early_fetch=False; options not given keep the module's defaults)
@@ -30,12 +31,16 @@ def main():
   rng = np.random.default_rng(0)
   quick = "--quick" in sys.argv          # one group size, two outlier fractions
   backend = "mosaic" if "--mosaic" in sys.argv else "triton"
-  bits_arg = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--bits=")), "2,3,4,8")
+  arg = lambda name, default: next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")),
+                                  default)
+  bits_arg = arg("bits", "2,3,4,8")
+  fracs = arg("fracs", "0.02,0.03,0.15" if quick else "0.0,0.02,0.03,0.15")
   cases = itertools.product(tuple(int(x) for x in bits_arg.split(",")), ((32, 32, 4),) if quick else ((16, 0, 0), (32, 32, 4), (64, 64, 0)),
                             (("channel", "token"), ("token", "channel")),
-                            (0.02, 0.03, 0.15) if quick else (0.0, 0.02, 0.03, 0.15))
-  for bits, (g, r, s), (ka, va), frac in cases:
-    b, h, ratio, d, t = 3, 2, 4, 128, 1000
+                            tuple(float(x) for x in fracs.split(",")),
+                            tuple(int(x) for x in arg("ratios", "4").split(",")))
+  for bits, (g, r, s), (ka, va), frac, ratio in cases:
+    b, h, d, t = 3, 2, 128, 1000
     k = rng.normal(size=(b, h, t, d)) * np.exp(0.5 * rng.normal(size=(1, h, 1, d)))
     v = rng.normal(size=(b, h, t, d))
     q = jnp.asarray(rng.normal(size=(b, h * ratio, d)), jnp.bfloat16)
@@ -58,7 +63,8 @@ def main():
     e = rel(out, ref)
     worst = max(worst, e)
     flag = "" if e < 1e-2 else "  <-- FAIL"
-    print(f"bits={bits} G={g} R={r} S={s} k={ka} v={va} outliers={frac}: rel err {e:.2e}{flag}",
+    print(f"bits={bits} G={g} R={r} S={s} k={ka} v={va} outliers={frac} heads/kv={ratio}: "
+          f"rel err {e:.2e}{flag}",
           flush=True)
   print(f"worst {worst:.2e}")
   return 0 if worst < 1e-2 else 1
