@@ -722,8 +722,7 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
   P = SLOT * cpw                                    # tokens per tile
   C = _chunk(P)                                     # token-minor arrays: [n, Cq // C, C] (TMA boxes <= 256)
   kr = max(1, P // G)                               # key-metadata rows per tile
-  nq = jnp.minimum(lax.div(jnp.maximum(len_ref[b] - (cfg.sink_tokens + cfg.residual_window), 0), G) * G,
-                   lay.cq)                          # tokens in the quantized region (num_quantized)
+  nq = lay.num_quantized(len_ref[b])                # tokens in the quantized region
   tile0 = sp * bps
   f32 = jnp.float32
   wl = plgpu.Layout.WGMMA
@@ -1123,29 +1122,30 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                      f"and d_low + n_out <= d_pad; got n_out={n_out}, d_pad={dp})")
   kr = max(1, SLOT * lay.cpw // lay.config.group_size)
   ilv = bool(interleave_meta)
-  lo_idx = kq.low_channel_index(kv.k_outlier_idx, d)
   nop = _NOP(n_out)
-  if omma or not n_out:           # the outlier channels' query goes in the MMA's padding:
-    split = jnp.concatenate([lo_idx, kv.k_outlier_idx.astype(jnp.int32)], axis=-1)   # one gather
-    q_lo = jnp.take_along_axis(qg, jnp.broadcast_to(split, (b, h, d))[:, :, None, :], axis=3)
-    q_out = np.zeros((1, 1, nop, npad), np.float32)   # unread (no rank-1 outlier updates); a literal
-  else:
-    q_lo = jnp.take_along_axis(qg, lo_idx[:, :, None, :], axis=3)
-    q_out = jnp.take_along_axis(qg, kv.k_outlier_idx[:, :, None, :], axis=3)     # [B,H,g,n_out]
-    q_out = jnp.pad(jnp.swapaxes(q_out, 2, 3), [(0, 0), (0, 0), (0, nop - n_out), (0, npad - g)])
-  q_lo = jnp.pad(q_lo, [(0, 0), (0, 0), (0, npad - g), (0, dp - q_lo.shape[3])]).astype(jnp.float16)
-  ko, vo = kv.k_outliers, kv.v_outliers
-  if not n_out:
-    ko = vo = jnp.zeros((b, h, 1, lay.cq), jnp.bfloat16)
+  q_out = np.zeros((1, 1, nop, npad), np.float32)     # unread unless rank-1 outlier updates; a literal
+  idx_in = np.zeros((b, h, 1), np.int32)              # unread unless the kernel builds the query
   qprep = None
-  idx_in = np.zeros((b, h, 1), np.int32)            # unread (a literal: no XLA kernel)
   if raw_query is not None and (omma or not n_out) and int(warpgroups) == 1:   # (3 per CTA: no room)
     if raw_scale is None or raw_query.shape != qg.shape:
       raise ValueError(f"raw_query must have qg's shape {qg.shape} (got {raw_query.shape}) "
                        f"and come with raw_scale (got {raw_scale})")
-    qprep, q_lo = float(raw_scale), raw_query
+    qprep, q_lo = float(raw_scale), raw_query         # the kernel builds its operand (_stage_query)
     if n_out:
       idx_in = kv.k_outlier_idx.astype(jnp.int32)
+  else:                                               # the operand, built in XLA
+    lo_idx = kq.low_channel_index(kv.k_outlier_idx, d)
+    if omma or not n_out:         # the outlier channels' query goes in the MMA's padding:
+      split = jnp.concatenate([lo_idx, kv.k_outlier_idx.astype(jnp.int32)], axis=-1)   # one gather
+      q_lo = jnp.take_along_axis(qg, jnp.broadcast_to(split, (b, h, d))[:, :, None, :], axis=3)
+    else:
+      q_lo = jnp.take_along_axis(qg, lo_idx[:, :, None, :], axis=3)
+      q_out = jnp.take_along_axis(qg, kv.k_outlier_idx[:, :, None, :], axis=3)     # [B,H,g,n_out]
+      q_out = jnp.pad(jnp.swapaxes(q_out, 2, 3), [(0, 0), (0, 0), (0, nop - n_out), (0, npad - g)])
+    q_lo = jnp.pad(q_lo, [(0, 0), (0, 0), (0, npad - g), (0, dp - q_lo.shape[3])]).astype(jnp.float16)
+  ko, vo = kv.k_outliers, kv.v_outliers
+  if not n_out:
+    ko = vo = jnp.zeros((b, h, 1, lay.cq), jnp.bfloat16)
   c = _chunk(SLOT * lay.cpw)
   tm = lambda x: x.reshape(x.shape[:3] + (x.shape[3] // c, c))      # token-minor: [.., n, Cq/C, C]
 

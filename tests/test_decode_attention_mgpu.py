@@ -280,3 +280,15 @@ def test_default_call_is_two_kernels_and_nothing_else():
   ops = collections.Counter(re.findall(r"= (stablehlo\.[a-z_]+)", text))
   assert ops.pop("stablehlo.custom_call") == 2
   assert set(ops) <= {"stablehlo.reshape", "stablehlo.constant"}, ops
+
+
+def test_raw_query_of_the_wrong_shape_is_a_clear_error():
+  cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=0.02)
+  kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 1, 2, 128, 4096))
+  qg = jax.ShapeDtypeStruct((1, 2, 4, 128), jnp.float32)
+  bad = jax.ShapeDtypeStruct((1, 2, 2, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="raw_query must have qg's shape"):
+    jax.jit(lambda qg, q, kv: dm.quantized_partials(qg, kv, heads_minor=True, raw_query=q,
+                                                    raw_scale=0.1)).trace(qg, bad, kv)
+  with pytest.raises(ValueError, match="raw_scale"):
+    jax.jit(lambda qg, kv: dm.quantized_partials(qg, kv, heads_minor=True, raw_query=qg)).trace(qg, kv)
