@@ -122,6 +122,8 @@ SPLIT_FETCH = True       # tiles fetched by hand in key and value halves, each a
 EARLY_FETCH = True       # split_fetch: a half's next tile is fetched as soon as its codes are in
                          # registers (its metadata and outliers already staged), not after its MMAs
                          # (H200, B=8 32k: 0.118-0.119 vs 0.119-0.120 ms; 1x128k 0.072 vs 0.073)
+SPECIALIZED = False      # keys and values of a program in two warpgroups (_specialized_loop)
+SPEC_PROGRAMS = 2        # specialized: programs per CTA (4 warpgroups: ptxas fits 128 registers)
 
 
 def supports(layout: kq.KVLayout, num_q_heads_per_kv: int) -> bool:
@@ -667,10 +669,33 @@ def _kernel(len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_
             lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
             ilv: bool = False, wgs: int = 1, split: bool = False, staged: bool = False,
             inplace: bool = False, loop_desc: bool = False, early: bool = False,
-            qprep: float | None = None, ablate: frozenset = frozenset()):
+            qprep: float | None = None, ablate: frozenset = frozenset(), spec: int = 0):
   """One program: b, h and split from the grid (``wgs == 1``), or ``wgs`` programs per CTA,
   one per warpgroup, each with its own slice (``.at[wg]``) of every scratch buffer: the
-  ``_N_COMMON`` every program has, then (``_Own``) its tile buffers, barriers and staging."""
+  ``_N_COMMON`` every program has, then (``_Own``) its tile buffers, barriers and staging.
+  ``spec`` (``specialized``): that many programs per CTA, each with two warpgroups (keys,
+  values), its own slices as above, then the exchange buffers: the correction ``[2, npad]``
+  and the ``pready`` / ``pfree`` barriers (two per program), and the raw queries."""
+  if spec:
+    wg = lax.axis_index("wg")
+    pid, role = wg // 2, wg % 2
+    prog = lax.axis_index("c") * spec + pid
+    nb, nh, ns = o_ref.shape[:3]
+    n_own = 14                                      # 8 tiles, 2 barriers, 3 stagings, reduction
+    views = [r.at[pid] for r in scratch[:_N_COMMON + n_own]]
+    corr, pready, pfree = scratch[_N_COMMON + n_own:_N_COMMON + n_own + 3]
+    qraw = scratch[-1].at[pid] if qprep is not None else None
+    common, own = views[:_N_COMMON] + [qraw], _Own.of(views[_N_COMMON:])
+    xch = (corr.at[pid], lambda buf: pready.at[2 * pid + buf], lambda buf: pfree.at[2 * pid + buf])
+    for r in (0, 1):
+      @pl.when(jnp.logical_and(prog < nb * nh * ns, role == r))
+      def _():
+        _program(prog // (nh * ns), (prog // ns) % nh, prog % ns, len_ref, q_ref, qo_ref, idx_ref, kc_ref,
+                 ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref, o_ref, oo_ref, m_ref, l_ref, *common,
+                 lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma, stages=stages, npad=npad,
+                 ilv=ilv, staged=staged, inplace=inplace, loop_desc=loop_desc, early=early, qprep=qprep,
+                 ablate=ablate, own=own, role=r, xch=xch)
+    return
   if wgs == 1:
     b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     qraw = None
@@ -708,14 +733,15 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
              *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
              ilv: bool = False, staged: bool = False, inplace: bool = False, loop_desc: bool = False,
              early: bool = False, qprep: float | None = None, ablate: frozenset = frozenset(),
-             own: _Own | None = None):
+             own: _Own | None = None, role: int | None = None, xch=None):
   """With ``own`` the tiles are fetched by hand, one tile in flight in two halves: the next
   tile's keys as soon as this tile's key buffers are read (after the score MMAs), its values
   after the output MMAs. ``early``: as soon as the last phase has loaded a half's code
   words into registers, where nothing else reads that half's buffers after (staged outliers,
   none as rank-1 updates). Without ``own``, ``plgpu.emit_pipeline`` fetches whole tiles.
   ``qprep`` (the query scale): ``q_ref`` holds the raw queries ``[B, H, g, D]``, staged
-  into the MMA operand here (``_stage_query``); else the operand itself."""
+  into the MMA operand here (``_stage_query``); else the operand itself. ``role`` (0 keys,
+  1 values) with ``xch`` (the exchange buffers): ``specialized``, see ``_specialized_loop``."""
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
   dp, n_out, ng = lay.d_pad, lay.n_out, lay.n_groups_tok
@@ -739,18 +765,23 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
   slot_exps = None if plan is None else [10 - plan[j][1] for j in range(cpw)]   # scale multipliers
 
   _at_lowering(lambda: _descriptors_in_loop(loop_desc))
-  qbar = bar.at[0] if own is None else bar          # (own: already one barrier)
-  plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem if qprep is None else qraw_smem, qbar)
-  if n_fma:
-    plgpu.copy_gmem_to_smem(qo_ref.at[b, h], qo_smem, qbar)
-  plgpu.barrier_wait(qbar)
-  if qprep is not None:
-    _stage_query(qraw_smem, idx_ref.at[b, h], q_smem, dp=dp, d_low=lo_col, scale=qprep)
-  q_out = [_ld(qo_smem, (o,), COL) for o in range(n_fma)]              # [npad] f32 each
+  keys, values = role in (None, 0), role in (None, 1)   # this warpgroup's share (role: specialized)
+  q_out = []
+  if keys:
+    qbar = bar.at[0] if own is None else bar          # (own: already one barrier)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem if qprep is None else qraw_smem, qbar)
+    if n_fma:
+      plgpu.copy_gmem_to_smem(qo_ref.at[b, h], qo_smem, qbar)
+    plgpu.barrier_wait(qbar)
+    if qprep is not None:
+      _stage_query(qraw_smem, idx_ref.at[b, h], q_smem, dp=dp, d_low=lo_col, scale=qprep)
+    q_out = [_ld(qo_smem, (o,), COL) for o in range(n_fma)]              # [npad] f32 each
   if plan is not None and not ilv:     # read by other threads only after this barrier
-    _fill_slot_multipliers(kmult_smem, unit=kmult_smem.shape[-1] * SLOT // G, exps=slot_exps)
-    _fill_slot_multipliers(vmult_smem, unit=SLOT, exps=slot_exps)
-  if qprep is not None or (plan is not None and not ilv):
+    if keys:
+      _fill_slot_multipliers(kmult_smem, unit=kmult_smem.shape[-1] * SLOT // G, exps=slot_exps)
+    if values:
+      _fill_slot_multipliers(vmult_smem, unit=SLOT, exps=slot_exps)
+  if (qprep is not None and keys) or (plan is not None and not ilv):
     plgpu.commit_smem()
 
   rows = plgpu.broadcasted_iota(jnp.int32, (SLOT, npad), 0, layout=wl)
@@ -878,6 +909,83 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
   def tok_idx(j):                                   # token-minor index of slot j's 64 tokens
     return (j * SLOT // C, pl.ds(j * SLOT % C, SLOT))
 
+  def key_scores(kc, ko, js, tbase, codes_loaded=None):
+    """Masked scores^T ``[64, npad]`` f32 of slots ``js`` (one per slot): the tile's key
+    code words are read once (``codes_loaded()`` runs right after), each slot dequantized
+    in registers and multiplied by the query, the MMAs issued back to back."""
+    kw = plgpu.load(kc, (), layout=wl)                                     # [64, dp] u16
+    if codes_loaded is not None:
+      codes_loaded()
+
+    def qk(*acc_refs):
+      words = kw
+      for a_ref, j in zip(acc_refs, js):
+        if plan is not None and plan[j][0]:
+          words = _rotate_words(words, plan[j][0])      # in place: the old words are dead
+        k16 = _dequant(words, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j), interleaved=ilv,
+                       timing_form=k_form, pos=None if plan is None else plan[j][1],
+                       patch_ref=kout_smem if staged else ko, patch=key_patch(j) if omma else None)
+        for _ in range(2 if "dblmma" in ablate else 1):      # timing only: the MMAs' own cost
+          plgpu.wgmma(a_ref, k16, plgpu.transpose_ref(q_smem, (1, 0)))
+        plgpu.wgmma_wait(inflight)            # MMAs left in flight while the next slot dequantizes
+      return [a_ref[...] for a_ref in acc_refs]
+    ss = list(pl.run_scoped(qk, *[plgpu.ACC((SLOT, npad), f32) for _ in js]))
+    for n, j in enumerate(js):
+      s = ss[n]
+      for o in range(0 if "out" in ablate else n_fma):
+        s = s + brow(_ld(ko, (o,) + tok_idx(j), ROW), s.shape) * bcol(q_out[o], s.shape)
+      ss[n] = jnp.where(tbase + j * SLOT + rows < nq, s, NEG)
+    return ss
+
+  def softmax_update(ss, js, m, l_rows, vo, p_at):
+    """One online-softmax update over the scores of slots ``js`` (a single cross-warp max;
+    the running sum stays distributed over rows): stores each slot's ``p`` as fp16 in
+    ``p_at(n)`` and returns the new (m, l_rows), the correction ``exp2(m_old - m)`` ``[npad]``
+    and the rank-1 outlier terms ``p * v_out`` of each slot (n_fma only)."""
+    s_max = functools.reduce(jnp.maximum, ss)
+    m_new = m if "max" in ablate else jnp.maximum(m, rows_max(s_max))
+    corr = jnp.exp2(m - m_new)
+    l_rows = l_rows * bcol(corr, l_rows.shape)
+    terms = []
+    for n, j in enumerate(js):
+      p = jnp.exp2(ss[n] - bcol(m_new, ss[n].shape))
+      l_rows = l_rows + p                    # summed over rows once, at the end
+      if "out" not in ablate:
+        terms.append([brow(_ld(vo, (o,) + tok_idx(j), ROW), p.shape) * p for o in range(n_fma)])
+      if p_tokens_minor:                     # [npad, 64]: 16-byte rows of p^T cannot be swizzled
+        _store_transposed(p.astype(jnp.float16), p_at(n))
+      else:
+        p_at(n)[...] = p.astype(jnp.float16)
+    return m_new, l_rows, corr, terms
+
+  def value_mma(vc, vo, js, acc, p_at, codes_loaded=None, wait_all=False):
+    """``out^T [dp, npad] += v^T . p^T`` over slots ``js``: the tile's value code words read
+    once, transposed (``codes_loaded()`` right after), each slot's ``v^T`` dequantized in
+    the A-operand layout; ``p_at(n)`` the slot's B operand. ``wait_all``: every MMA has
+    finished reading ``p`` when this returns."""
+    vw = plgpu.layout_cast(
+        plgpu.load(plgpu.transpose_ref(vc, (1, 0)), (), layout=plgpu.Layout.WGMMA_TRANSPOSED),
+        wl)                                                                  # [dp, 64] u16
+    if codes_loaded is not None:
+      codes_loaded()
+
+    def pv(acc_ref):
+      words = vw
+      for n, j in enumerate(js):
+        if plan is not None and plan[j][0]:
+          words = _rotate_words(words, plan[j][0])
+        v16 = _dequant(words, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j), interleaved=ilv,
+                       timing_form=v_form, pos=None if plan is None else plan[j][1],
+                       patch_ref=vout_smem if staged else vo,
+                       patch=value_patch(j) if omma else None)
+        pb = plgpu.transpose_ref(p_at(n), (1, 0)) if p_tokens_minor else p_at(n)
+        for _ in range(2 if "dblmma" in ablate else 1):
+          plgpu.wgmma(acc_ref, v16, pb)
+        plgpu.wgmma_wait(inflight)
+      if wait_all:
+        plgpu.wgmma_wait(0)
+    return pl.run_state(pv)(plgpu.ACC.init(acc))
+
   def body(idx, kc, ks, kz, ko, vc, vs, vz, vo, carry, hooks=None):
     """One tile. hooks (tiles fetched by hand in halves): ``keys_done()`` once the key buffers
     are read (the next tile's keys may come), ``values_ready()`` before the value buffers
@@ -893,33 +1001,12 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
         stage_meta((ks, kz, kmeta_smem), outliers=((ko, True),) if staged else (), opening=False)
     for j0 in range(0, cpw, phase):
       js = range(j0, min(j0 + phase, cpw))
+      last = j0 + phase >= cpw
       with jax.named_scope("qk"):     # a region in profile traces
         # the code words hold every slot of the tile: one shared-memory read per phase
-        kw = plgpu.load(kc, (), layout=wl)                                     # [64, dp] u16
-        if early and hooks is not None and j0 + phase >= cpw:
-          hooks.keys_done()
-
-        # --- phase 1: scores^T [64, npad] = k . q^T of every slot, MMAs issued back to back
-        def qk(*acc_refs):
-          words = kw
-          for a_ref, j in zip(acc_refs, js):
-            if plan is not None and plan[j][0]:
-              words = _rotate_words(words, plan[j][0])      # in place: the old words are dead
-            k16 = _dequant(words, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j), interleaved=ilv,
-                           timing_form=k_form, pos=None if plan is None else plan[j][1],
-                           patch_ref=kout_smem if staged else ko, patch=key_patch(j) if omma else None)
-            for _ in range(2 if "dblmma" in ablate else 1):      # timing only: the MMAs' own cost
-              plgpu.wgmma(a_ref, k16, plgpu.transpose_ref(q_smem, (1, 0)))
-            plgpu.wgmma_wait(inflight)            # MMAs left in flight while the next slot dequantizes
-          return [a_ref[...] for a_ref in acc_refs]
-        ss = pl.run_scoped(qk, *[plgpu.ACC((SLOT, npad), f32) for _ in js])
-        ss = list(ss)
-        for n, j in enumerate(js):
-          s = ss[n]
-          for o in range(0 if "out" in ablate else n_fma):
-            s = s + brow(_ld(ko, (o,) + tok_idx(j), ROW), s.shape) * bcol(q_out[o], s.shape)
-          ss[n] = jnp.where(tbase + j * SLOT + rows < nq, s, NEG)
-      if hooks is not None and j0 + phase >= cpw and not early:
+        ss = key_scores(kc, ko, js, tbase,
+                        hooks.keys_done if early and hooks is not None and last else None)
+      if hooks is not None and last and not early:
         hooks.keys_done()
       if hooks is not None and j0 == 0:
         with jax.named_scope("vwait"):
@@ -927,49 +1014,85 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
           stage_meta((vs, vz, vmeta_smem), outliers=((vo, False),) if staged else (), opening=False)
 
       with jax.named_scope("softmax"):     # a region in profile traces
-        # --- one online-softmax update for the phase: a single cross-warp max
-        s_max = functools.reduce(jnp.maximum, ss)
-        m_new = m if "max" in ablate else jnp.maximum(m, rows_max(s_max))
-        corr = jnp.exp2(m - m_new)
-        m = m_new
-        l_rows = l_rows * bcol(corr, l_rows.shape)
+        m, l_rows, corr, terms = softmax_update(ss, js, m, l_rows, vo, lambda n: p_smem.at[n])
         acc = acc * bcol(corr, acc.shape)
         acc_vo = [a * bcol(corr, a.shape) for a in acc_vo]
-        for n, j in enumerate(js):
-          p = jnp.exp2(ss[n] - bcol(m_new, ss[n].shape))
-          l_rows = l_rows + p                    # summed over rows once, at the end
-          if "out" not in ablate:
-            acc_vo = [a + brow(_ld(vo, (o,) + tok_idx(j), ROW), p.shape) * p
-                      for o, a in enumerate(acc_vo)]
-          if p_tokens_minor:                     # [npad, 64]: 16-byte rows of p^T cannot be swizzled
-            _store_transposed(p.astype(jnp.float16), p_smem.at[n])
-          else:
-            p_smem[n] = p.astype(jnp.float16)
+        for term in terms:
+          acc_vo = [a + t for a, t in zip(acc_vo, term)]
         plgpu.commit_smem()
 
       with jax.named_scope("pv"):     # a region in profile traces
         # --- phase 2: out^T [dp, npad] += v^T . p^T, v^T dequantized in the A-operand layout
-        vw = plgpu.layout_cast(
-            plgpu.load(plgpu.transpose_ref(vc, (1, 0)), (), layout=plgpu.Layout.WGMMA_TRANSPOSED),
-            wl)                                                                  # [dp, 64] u16
-        if early and hooks is not None and j0 + phase >= cpw:
-          hooks.values_done()
-
-        def pv(acc_ref):
-          words = vw
-          for n, j in enumerate(js):
-            if plan is not None and plan[j][0]:
-              words = _rotate_words(words, plan[j][0])
-            v16 = _dequant(words, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j), interleaved=ilv,
-                           timing_form=v_form, pos=None if plan is None else plan[j][1],
-                           patch_ref=vout_smem if staged else vo,
-                           patch=value_patch(j) if omma else None)
-            pb = plgpu.transpose_ref(p_smem.at[n], (1, 0)) if p_tokens_minor else p_smem.at[n]
-            for _ in range(2 if "dblmma" in ablate else 1):
-              plgpu.wgmma(acc_ref, v16, pb)
-            plgpu.wgmma_wait(inflight)
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        acc = value_mma(vc, vo, js, acc, lambda n: p_smem.at[n],
+                        hooks.values_done if early and hooks is not None and last else None)
     return m, l_rows, acc, acc_vo
+
+  def _specialized_loop(role, fetch, fetch_next):
+    """``specialized``: this program's keys (role 0) or values (role 1) in a warpgroup of
+    their own. The key warpgroup computes a tile's scores and softmax and hands ``p`` and
+    the correction ``exp2(m_old - m_new)`` to the value warpgroup through shared memory
+    (two buffers: ``pready[buf]`` / ``pfree[buf]`` barriers), which rescales its
+    accumulator and runs the output MMAs while the keys go on to the next tile. Each
+    warpgroup fetches its own half of the next tile as soon as its codes are in registers
+    and writes its own outputs (keys: m, l; values: o)."""
+    corr_smem, pready, pfree = xch                    # pready(buf), pfree(buf): barriers
+    js = range(cpw)                                   # one softmax update per tile
+    p_at = lambda buf: (lambda n: p_smem.at[buf * cpw + n])
+    if role == 0:
+      ks, kz, ko = own.tiles[1:4]
+      fetch(0, 0)
+
+      def kstep(i, carry):
+        m, l_rows = carry
+        buf = i % 2
+        with jax.named_scope("kwait"):
+          plgpu.barrier_wait(own.kbar)
+        with jax.named_scope("meta"):
+          stage_meta((ks, kz, kmeta_smem), outliers=((ko, True),) if staged else (), opening=False)
+        with jax.named_scope("qk"):
+          ss = key_scores(own.tiles[0], ko, js, (tile0 + i) * P, lambda: fetch_next(i, 0))
+
+        @pl.when(i >= 2)                  # the value warpgroup is done with this buffer's tile i - 2
+        def _():
+          plgpu.barrier_wait(pfree(buf))
+        with jax.named_scope("softmax"):
+          m, l_rows, corr, _ = softmax_update(ss, js, m, l_rows, None, p_at(buf))
+          corr_smem[buf] = corr
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(pready(buf))
+        return m, l_rows
+      m, l_rows = lax.fori_loop(0, bps, kstep, (_col(jnp.full((npad,), NEG, f32)), zeros_sq()))
+      with jax.named_scope("store"):
+        own.ml[0] = m
+        own.ml[1] = rows_sum(l_rows)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(own.ml.at[0], m_ref.at[b, h, sp])
+        plgpu.copy_smem_to_gmem(own.ml.at[1], l_ref.at[b, h, sp])
+        plgpu.wait_smem_to_gmem(0)
+      return
+
+    vc, vs, vz, vo = own.tiles[4:]
+    fetch(0, 1)
+
+    def vstep(i, acc):
+      buf = i % 2
+      with jax.named_scope("vwait"):
+        plgpu.barrier_wait(own.vbar)
+      with jax.named_scope("meta"):
+        stage_meta((vs, vz, vmeta_smem), outliers=((vo, False),) if staged else (), opening=False)
+      with jax.named_scope("pwait"):
+        plgpu.barrier_wait(pready(buf))
+      with jax.named_scope("pv"):
+        acc = acc * bcol(_ld(corr_smem, (buf,), COL), acc.shape)
+        acc = value_mma(vc, vo, js, acc, p_at(buf), lambda: fetch_next(i, 1), wait_all=True)
+        plgpu.barrier_arrive(pfree(buf))
+      return acc
+    acc = lax.fori_loop(0, bps, vstep, plgpu.layout_cast(jnp.zeros((dp, npad), f32), wl))
+    with jax.named_scope("store"):
+      own.o[...] = acc
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(own.o, o_ref.at[b, h, sp])
+      plgpu.wait_smem_to_gmem(0)
 
   specs = [
       plgpu.BlockSpec((SLOT, dp), lambda i: (tile0 + i, 0), transforms=_transforms(dp, 2)),   # k codes
@@ -1027,6 +1150,10 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
 
       def values_done(self):
         fetch_next(self.i, 1)
+
+    if role is not None:
+      _specialized_loop(role, fetch, fetch_next)
+      return
 
     fetch(0, 0)
     fetch(0, 1)
@@ -1095,7 +1222,8 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                        interleave_meta=INTERLEAVE_META, warpgroups=1, split_fetch=SPLIT_FETCH,
                        staged_outliers=STAGED_OUTLIERS, in_place_codes=IN_PLACE_CODES,
                        loop_descriptors=LOOP_DESCRIPTORS, early_fetch=EARLY_FETCH, profile_dir="",
-                       ablate=frozenset(), heads_minor=False, raw_query=None, raw_scale=None):
+                       ablate=frozenset(), heads_minor=False, raw_query=None, raw_scale=None,
+                       specialized=SPECIALIZED):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -1107,6 +1235,8 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   ``raw_query`` ``[B, H, g, D]`` (unscaled, any float dtype) with ``raw_scale`` (``sm_scale
   * log2(e)``): where the outliers' query goes into the MMA, the kernel builds its query
   operand from these itself (``qg`` then only gives shapes): no XLA kernels before it.
+  ``specialized``: each program's keys and values in two warpgroups (``_specialized_loop``),
+  ``SPEC_PROGRAMS`` programs per CTA.
   """
   lay = kv.layout
   f32 = jnp.float32
@@ -1158,20 +1288,33 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   wgs = int(warpgroups)
   if wgs < 1:
     raise ValueError(f"warpgroups (programs per CTA) must be >= 1, got {warpgroups}")
+  spec = SPEC_PROGRAMS if specialized else 0
+  if spec:
+    need = dict(split_fetch=bool(split_fetch), warpgroups_1=wgs == 1, stages_1=stages == 1,
+                one_phase_per_tile=phase == lay.cpw, interleave_meta_off=not ilv,
+                outliers_staged_in_mma=not n_out or bool(omma and staged_outliers))
+    if not all(need.values()):
+      raise ValueError("specialized (keys and values in two warpgroups) needs "
+                       + ", ".join(k for k, v in need.items() if not v)
+                       + f" (got split_fetch={split_fetch}, warpgroups={warpgroups}, stages={stages}, "
+                       f"phase_slots={phase_slots} of {lay.cpw} slots, interleave_meta={interleave_meta}, "
+                       f"outliers_in_mma={outliers_in_mma}, staged_outliers={staged_outliers})")
   if stages != 1 and (split_fetch or wgs > 1):
     raise ValueError(f"stages={stages} needs the whole-tile pipeline: split_fetch=False and "
                      f"warpgroups=1 (got split_fetch={split_fetch}, warpgroups={warpgroups}); "
                      "the hand-written fetch keeps one tile in flight")
-  lead = () if wgs == 1 else (wgs,)                # several programs per CTA: one slice each
+  per_cta = spec or wgs                            # programs per CTA
+  lead = () if per_cta == 1 else (per_cta,)        # several programs per CTA: one slice each
   smem = lambda shape, dtype, **kw: plgpu.SMEM(lead + tuple(shape), dtype, **kw)
-  scratch = [
+  pbufs = 2 if spec else 1                         # p^T buffers (specialized: keys fill one while
+  scratch = [                                      # the values read the other)
       smem((npad, dp), jnp.float16, transforms=_transforms(dp, 2)),
       smem((nop, npad), f32),
-      (smem((phase, npad, SLOT), jnp.float16, transforms=_transforms(SLOT, 2)) if _p_tokens_minor(npad)
-       else smem((phase, SLOT, npad), jnp.float16, transforms=_transforms(npad, 2))),
+      (smem((pbufs * phase, npad, SLOT), jnp.float16, transforms=_transforms(SLOT, 2)) if _p_tokens_minor(npad)
+       else smem((pbufs * phase, SLOT, npad), jnp.float16, transforms=_transforms(npad, 2))),
       _meta_scratch(lead + (kr, dp), ilv, len(lead)),                                  # key s2, z2
       _meta_scratch(lead + (lay.n_groups_tok, SLOT * lay.cpw // c, c), ilv, len(lead)),  # value s2, z2
-      plgpu.Barrier(num_barriers=wgs, num_arrivals=1 + (n_out > 0 and not omma)),
+      plgpu.Barrier(num_barriers=per_cta, num_arrivals=1 + (n_out > 0 and not omma)),
   ]
   staged = bool(omma and staged_outliers and wgs == 1)   # three programs per CTA: no room (11 KB each)
   # in place: each key group must lie in one slot (its staged scale carries that slot's multiplier)
@@ -1196,15 +1339,20 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
               ((lay.n_groups_tok, tile // c, c), ()), ((lay.n_groups_tok, tile // c, c), ()),
               ((vo.shape[2], tile // c, c), ())]
     scratch += [smem(shape, x.dtype, transforms=tr) for (shape, tr), x in zip(blocks, args[4:])]
-    scratch += [plgpu.Barrier(num_barriers=wgs, num_arrivals=4), plgpu.Barrier(num_barriers=wgs, num_arrivals=4),
+    scratch += [plgpu.Barrier(num_barriers=per_cta, num_arrivals=4),
+                plgpu.Barrier(num_barriers=per_cta, num_arrivals=4),
                 smem((dp, npad), f32), smem((nop, npad), f32), smem((2, npad), f32)]
-    if wgs > 1:
+    if per_cta > 1:
       scratch.append(smem((256,), f32))                     # cross-warp reductions
+  if spec:                       # correction, p ready / p free (one barrier per program and buffer)
+    scratch += [smem((2, npad), f32), plgpu.Barrier(num_barriers=2 * spec, num_arrivals=1),
+                plgpu.Barrier(num_barriers=2 * spec, num_arrivals=1)]
   if qprep is not None:
     scratch.append(smem((g, d), q_lo.dtype))                # the raw queries (last: one program per CTA)
-  if wgs > 1:
-    n_cta = -(-(b * h * ns) // wgs)
-    grid = dict(grid=(n_cta,), grid_names=("c",), num_threads=wgs, thread_name="wg")
+  if per_cta > 1:
+    n_cta = -(-(b * h * ns) // per_cta)
+    grid = dict(grid=(n_cta,), grid_names=("c",), num_threads=per_cta * (2 if spec else 1),
+                thread_name="wg")
   else:
     grid = dict(grid=(b, h, ns), grid_names=("b", "h", "s"))
   # profile_dir: Mosaic's on-device profiler writes one trace per call there (regions "meta",
@@ -1215,7 +1363,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
                         stages=stages, npad=npad, ilv=ilv, wgs=wgs, split=bool(split_fetch),
                         staged=staged, inplace=inplace, loop_desc=bool(loop_descriptors),
-                        early=bool(early_fetch), qprep=qprep, ablate=ablate),
+                        early=bool(early_fetch), qprep=qprep, ablate=ablate, spec=spec),
       out_type=out_types, scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024, **prof), **grid,
   )
@@ -1234,14 +1382,15 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                                              "outliers_in_mma", "stages", "heads_pad",
                                              "interleave_meta", "warpgroups", "split_fetch",
                                              "staged_outliers", "in_place_codes", "loop_descriptors",
-                                             "early_fetch", "profile_dir", "ablate", "merge_kernel"))
+                                             "early_fetch", "profile_dir", "ablate", "merge_kernel",
+                                             "specialized"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
                           heads_pad=None, interleave_meta=INTERLEAVE_META, warpgroups=1,
                           split_fetch=SPLIT_FETCH, staged_outliers=STAGED_OUTLIERS,
                           in_place_codes=IN_PLACE_CODES, loop_descriptors=LOOP_DESCRIPTORS,
                           early_fetch=EARLY_FETCH, profile_dir="", ablate: frozenset = frozenset(),
-                          merge_kernel=True):
+                          merge_kernel=True, specialized=SPECIALIZED):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first.
   ``merge_kernel``: sinks, window and the split merge in ``decode_merge_gpu``'s kernel
@@ -1252,7 +1401,7 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
               interleave_meta=interleave_meta, warpgroups=warpgroups, split_fetch=split_fetch,
               staged_outliers=staged_outliers, in_place_codes=in_place_codes,
               loop_descriptors=loop_descriptors, early_fetch=early_fetch, profile_dir=profile_dir,
-              ablate=ablate)
+              ablate=ablate, specialized=specialized)
   if merge_kernel and _split_in_mma(kv.layout, outliers_in_mma):
     # window, merge and channel order in one Triton kernel (as XLA ops: ~7 small kernels)
     # (the merge scales the raw query and writes q.dtype itself: two XLA kernels fewer)
