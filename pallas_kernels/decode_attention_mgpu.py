@@ -124,6 +124,8 @@ EARLY_FETCH = True       # split_fetch: a half's next tile is fetched as soon as
                          # (H200, B=8 32k: 0.118-0.119 vs 0.119-0.120 ms; 1x128k 0.072 vs 0.073)
 SPECIALIZED = False      # keys and values of a program in two warpgroups (_specialized_loop)
 SPEC_PROGRAMS = 2        # specialized: programs per CTA (4 warpgroups: ptxas fits 128 registers)
+SPEC_REGISTERS = (0, 0)  # specialized: registers per thread of the key and value warpgroups
+                         # (setmaxnreg; 0: the 128 of 512 threads; keys + values <= 256)
 
 
 def supports(layout: kq.KVLayout, num_q_heads_per_kv: int) -> bool:
@@ -688,13 +690,18 @@ def _kernel(len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_
     common, own = views[:_N_COMMON] + [qraw], _Own.of(views[_N_COMMON:])
     xch = (corr.at[pid], lambda buf: pready.at[2 * pid + buf], lambda buf: pfree.at[2 * pid + buf])
     for r in (0, 1):
-      @pl.when(jnp.logical_and(prog < nb * nh * ns, role == r))
+      @pl.when(role == r)
       def _():
-        _program(prog // (nh * ns), (prog // ns) % nh, prog % ns, len_ref, q_ref, qo_ref, idx_ref, kc_ref,
-                 ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref, o_ref, oo_ref, m_ref, l_ref, *common,
-                 lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma, stages=stages, npad=npad,
-                 ilv=ilv, staged=staged, inplace=inplace, loop_desc=loop_desc, early=early, qprep=qprep,
-                 ablate=ablate, own=own, role=r, xch=xch)
+        if SPEC_REGISTERS[r]:             # rebalance the 128 registers a thread gets at 512 threads
+          plgpu.set_max_registers(SPEC_REGISTERS[r], action="increase" if r == 0 else "decrease")
+
+        @pl.when(prog < nb * nh * ns)
+        def _():
+          _program(prog // (nh * ns), (prog // ns) % nh, prog % ns, len_ref, q_ref, qo_ref, idx_ref, kc_ref,
+                   ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref, o_ref, oo_ref, m_ref, l_ref,
+                   *common, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma, stages=stages,
+                   npad=npad, ilv=ilv, staged=staged, inplace=inplace, loop_desc=loop_desc, early=early,
+                   qprep=qprep, ablate=ablate, own=own, role=r, xch=xch)
     return
   if wgs == 1:
     b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
