@@ -294,6 +294,18 @@ def test_early_fetch_issues_each_half_before_its_mmas():
           == _mosaic_module_text(early_fetch=False, staged_outliers=False))
 
 
+def test_tile_zero_is_in_flight_while_the_query_arrives():
+  """split_fetch: the first tile's 8 copies are issued right after the query's, before the
+  program waits for the query (the ablation late_tile0, timing only: after it)."""
+  import itertools
+  def copies_and_waits(text):
+    seq = ["T" if "cp.async.bulk.tensor" in l else "w" for l in text.splitlines()
+           if "cp.async.bulk.tensor" in l or "mbarrier.try_wait" in l]
+    return " ".join(f"{k}{len(list(g))}" for k, g in itertools.groupby(seq))
+  assert copies_and_waits(_mosaic_module_text()).startswith("T9 w2 ")
+  assert copies_and_waits(_mosaic_module_text(ablate=frozenset({"late_tile0"}))).startswith("T1 w1 T8 w1 ")
+
+
 def test_default_call_is_two_kernels_and_nothing_else():
   """The default call (outliers in the MMA) is the Mosaic kernel and the Triton merge: the
   query operand (scale, channel order, padding) and the quantized token count are built
