@@ -226,6 +226,16 @@ def test_specialized_splits_the_mmas_between_two_warpgroups():
   assert arrives(plain) == 0 and arrives(spec) == 2
 
 
+def test_spec_registers_rebalance_the_two_roles(monkeypatch):
+  """SPEC_REGISTERS: the key warpgroups raise their registers per thread, the value
+  warpgroups lower theirs (setmaxnreg); none by default."""
+  regs = lambda text: [l.strip() for l in text.splitlines() if "setmaxregister" in l]
+  assert regs(_mosaic_module_text(specialized=True)) == []
+  monkeypatch.setattr(dm, "SPEC_REGISTERS", (160, 96))
+  assert regs(_mosaic_module_text(specialized=True)) == ["nvvm.setmaxregister increase 160",
+                                                         "nvvm.setmaxregister decrease 96"]
+
+
 def _mosaic_module_text(**kw):
   """The Mosaic GPU module of the kernel (B=2, 2 kv heads, 4k, 2-bit), as text."""
   from experiments.mosaic_module import mosaic_module_text
