@@ -35,11 +35,9 @@ from pallas_kernels.decode_attention import decode_attention
 
 
 def _spec(arg):
-  """--spec value '0', '1' or '1:K:V' -> the specialized flag; sets dm.SPEC_REGISTERS (read
-  when the kernel traces, so set here, just before each variant's first call)."""
+  """--spec value '0', '1' or '1:K:V' -> the options specialized and spec_registers."""
   on, *regs = arg.split(":")
-  dm.SPEC_REGISTERS = tuple(map(int, regs)) if regs else (0, 0)
-  return bool(int(on))
+  return dict(specialized=bool(int(on)), spec_registers=tuple(map(int, regs)) if regs else (0, 0))
 
 
 def main():
@@ -75,7 +73,7 @@ def main():
                        "in registers, before its MMAs)")
   ap.add_argument("--spec", nargs="*", default=[str(int(dm.SPECIALIZED))],
                   help="specialized values to try (1: keys and values of a program in two warpgroups; "
-                       "1:K:V also sets their registers per thread, dm.SPEC_REGISTERS)")
+                       "1:K:V also sets their registers per thread, spec_registers)")
   ap.add_argument("--outliers", type=float, default=0.02)
   ap.add_argument("--ptxas", default=None)
   ap.add_argument("--trace", default=None,
@@ -98,7 +96,7 @@ def main():
                                          stages=a.stages[0], interleave_meta=bool(il), warpgroups=wg,
                                          phase_slots=ph, split_fetch=bool(sf), staged_outliers=bool(so),
                                          in_place_codes=bool(ip), loop_descriptors=bool(ld),
-                                         early_fetch=bool(ef), specialized=_spec(sw))
+                                         early_fetch=bool(ef), **_spec(sw))
         except Exception as e:            # errors may carry a whole module: keep both ends
           msg = str(e)
           print(f"check warpgroups={wg} phase={ph}: {type(e).__name__}: {msg[:300]} ... {msg[-300:]}",
@@ -128,7 +126,7 @@ def main():
                             interleave_meta=bool(il), warpgroups=wg, split_fetch=bool(sf),
                             staged_outliers=bool(so), in_place_codes=bool(ip),
                             loop_descriptors=bool(ld), early_fetch=bool(ef), ablate=ab,
-                            specialized=_spec(sw)))
+                            **_spec(sw)))
             try:
               tm = timeit(f, sets)
             except Exception as e:        # e.g. a variant over the shared-memory limit
@@ -150,7 +148,7 @@ def main():
                                                       in_place_codes=bool(a.inplace[-1]),
                                                       loop_descriptors=bool(a.loopdesc[-1]),
                                                       early_fetch=bool(a.early[-1]),
-                                                      specialized=_spec(a.spec[-1])))
+                                                      **_spec(a.spec[-1])))
     for _ in range(2):                # the second call's trace is read (the first one compiles)
       jax.block_until_ready(f(q, c))
     summarize_trace(max(glob.glob(f"{a.trace}/*trace.json"), key=os.path.getmtime))

@@ -124,7 +124,7 @@ EARLY_FETCH = True       # split_fetch: a half's next tile is fetched as soon as
                          # (H200, B=8 32k: 0.118-0.119 vs 0.119-0.120 ms; 1x128k 0.072 vs 0.073)
 SPECIALIZED = False      # keys and values of a program in two warpgroups (_specialized_loop)
 SPEC_PROGRAMS = 2        # specialized: programs per CTA (4 warpgroups: ptxas fits 128 registers)
-SPEC_REGISTERS = (0, 0)  # specialized: registers per thread of the key and value warpgroups
+SPEC_REGISTERS = (0, 0)  # specialized: default spec_registers (keys, values per thread)
                          # (setmaxnreg; 0: the 128 of 512 threads; keys + values <= 256)
 
 
@@ -671,7 +671,8 @@ def _kernel(len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_
             lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
             ilv: bool = False, wgs: int = 1, split: bool = False, staged: bool = False,
             inplace: bool = False, loop_desc: bool = False, early: bool = False,
-            qprep: float | None = None, ablate: frozenset = frozenset(), spec: int = 0):
+            qprep: float | None = None, ablate: frozenset = frozenset(), spec: int = 0,
+            spec_regs: tuple = (0, 0)):
   """One program: b, h and split from the grid (``wgs == 1``), or ``wgs`` programs per CTA,
   one per warpgroup, each with its own slice (``.at[wg]``) of every scratch buffer: the
   ``_N_COMMON`` every program has, then (``_Own``) its tile buffers, barriers and staging.
@@ -692,8 +693,8 @@ def _kernel(len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_
     for r in (0, 1):
       @pl.when(role == r)
       def _():
-        if SPEC_REGISTERS[r]:             # rebalance the 128 registers a thread gets at 512 threads
-          plgpu.set_max_registers(SPEC_REGISTERS[r], action="increase" if r == 0 else "decrease")
+        if spec_regs[r]:                  # rebalance the 128 registers a thread gets at 512 threads
+          plgpu.set_max_registers(spec_regs[r], action="increase" if r == 0 else "decrease")
 
         @pl.when(prog < nb * nh * ns)
         def _():
@@ -1236,7 +1237,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                        staged_outliers=STAGED_OUTLIERS, in_place_codes=IN_PLACE_CODES,
                        loop_descriptors=LOOP_DESCRIPTORS, early_fetch=EARLY_FETCH, profile_dir="",
                        ablate=frozenset(), heads_minor=False, raw_query=None, raw_scale=None,
-                       specialized=SPECIALIZED):
+                       specialized=SPECIALIZED, spec_registers=SPEC_REGISTERS):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -1249,7 +1250,8 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   * log2(e)``): where the outliers' query goes into the MMA, the kernel builds its query
   operand from these itself (``qg`` then only gives shapes): no XLA kernels before it.
   ``specialized``: each program's keys and values in two warpgroups (``_specialized_loop``),
-  ``SPEC_PROGRAMS`` programs per CTA.
+  ``SPEC_PROGRAMS`` programs per CTA; ``spec_registers`` (keys, values): their registers per
+  thread (``setmaxnreg``; 0, 0: the 128 each thread of 512 gets).
   """
   lay = kv.layout
   f32 = jnp.float32
@@ -1302,6 +1304,13 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   if wgs < 1:
     raise ValueError(f"warpgroups (programs per CTA) must be >= 1, got {warpgroups}")
   spec = SPEC_PROGRAMS if specialized else 0
+  spec_regs = tuple(int(r) for r in spec_registers)
+  if spec_regs != (0, 0) and not (
+      len(spec_regs) == 2 and all(24 <= r <= 256 and r % 8 == 0 for r in spec_regs)
+      and spec_regs[0] >= 128 >= spec_regs[1] and sum(spec_regs) <= 256):
+    raise ValueError("spec_registers must be (0, 0) or (keys, values) registers per thread, "
+                     "multiples of 8 in [24, 256], keys >= 128 >= values, keys + values <= 256 "
+                     f"(the 65536 of an SM over 512 threads); got {spec_registers}")
   if spec:
     need = dict(split_fetch=bool(split_fetch), warpgroups_1=wgs == 1, stages_1=stages == 1,
                 one_phase_per_tile=phase == lay.cpw, interleave_meta_off=not ilv,
@@ -1376,7 +1385,8 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
                         stages=stages, npad=npad, ilv=ilv, wgs=wgs, split=bool(split_fetch),
                         staged=staged, inplace=inplace, loop_desc=bool(loop_descriptors),
-                        early=bool(early_fetch), qprep=qprep, ablate=ablate, spec=spec),
+                        early=bool(early_fetch), qprep=qprep, ablate=ablate, spec=spec,
+                        spec_regs=spec_regs if spec else (0, 0)),
       out_type=out_types, scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024, **prof), **grid,
   )
@@ -1396,14 +1406,15 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                                              "interleave_meta", "warpgroups", "split_fetch",
                                              "staged_outliers", "in_place_codes", "loop_descriptors",
                                              "early_fetch", "profile_dir", "ablate", "merge_kernel",
-                                             "specialized"))
+                                             "specialized", "spec_registers"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
                           heads_pad=None, interleave_meta=INTERLEAVE_META, warpgroups=1,
                           split_fetch=SPLIT_FETCH, staged_outliers=STAGED_OUTLIERS,
                           in_place_codes=IN_PLACE_CODES, loop_descriptors=LOOP_DESCRIPTORS,
                           early_fetch=EARLY_FETCH, profile_dir="", ablate: frozenset = frozenset(),
-                          merge_kernel=True, specialized=SPECIALIZED):
+                          merge_kernel=True, specialized=SPECIALIZED,
+                          spec_registers=SPEC_REGISTERS):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first.
   ``merge_kernel``: sinks, window and the split merge in ``decode_merge_gpu``'s kernel
@@ -1414,7 +1425,7 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
               interleave_meta=interleave_meta, warpgroups=warpgroups, split_fetch=split_fetch,
               staged_outliers=staged_outliers, in_place_codes=in_place_codes,
               loop_descriptors=loop_descriptors, early_fetch=early_fetch, profile_dir=profile_dir,
-              ablate=ablate, specialized=specialized)
+              ablate=ablate, specialized=specialized, spec_registers=spec_registers)
   if merge_kernel and _split_in_mma(kv.layout, outliers_in_mma):
     # window, merge and channel order in one Triton kernel (as XLA ops: ~7 small kernels)
     # (the merge scales the raw query and writes q.dtype itself: two XLA kernels fewer)

@@ -193,6 +193,8 @@ def test_is_hopper_is_false_on_cpu():
     ({"specialized": True, "phase_slots": 4}, "needs one_phase_per_tile"),
     ({"specialized": True, "interleave_meta": True}, "needs interleave_meta_off"),
     ({"specialized": True, "staged_outliers": False}, "needs outliers_staged_in_mma"),
+    ({"specialized": True, "spec_registers": (168, 96)}, "keys \\+ values <= 256"),
+    ({"specialized": True, "spec_registers": (100, 96)}, "multiples of 8"),
 ])
 def test_bad_options_are_clear_errors(kw, match):
   cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=0.02)
@@ -226,13 +228,12 @@ def test_specialized_splits_the_mmas_between_two_warpgroups():
   assert arrives(plain) == 0 and arrives(spec) == 2
 
 
-def test_spec_registers_rebalance_the_two_roles(monkeypatch):
-  """SPEC_REGISTERS: the key warpgroups raise their registers per thread, the value
+def test_spec_registers_rebalance_the_two_roles():
+  """spec_registers: the key warpgroups raise their registers per thread, the value
   warpgroups lower theirs (setmaxnreg); none by default."""
   regs = lambda text: [l.strip() for l in text.splitlines() if "setmaxregister" in l]
   assert regs(_mosaic_module_text(specialized=True)) == []
-  monkeypatch.setattr(dm, "SPEC_REGISTERS", (160, 96))
-  assert regs(_mosaic_module_text(specialized=True)) == ["nvvm.setmaxregister increase 160",
+  assert regs(_mosaic_module_text(specialized=True, spec_registers=(160, 96))) == ["nvvm.setmaxregister increase 160",
                                                          "nvvm.setmaxregister decrease 96"]
 
 
