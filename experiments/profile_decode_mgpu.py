@@ -34,12 +34,6 @@ from pallas_kernels import reference
 from pallas_kernels.decode_attention import decode_attention
 
 
-def _spec(arg):
-  """--spec value '0', '1' or '1:K:V' -> the options specialized and spec_registers."""
-  on, *regs = arg.split(":")
-  return dict(specialized=bool(int(on)), spec_registers=tuple(map(int, regs)) if regs else (0, 0))
-
-
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--b", type=int, default=8)
@@ -71,9 +65,6 @@ def main():
   ap.add_argument("--early", type=int, nargs="*", default=[int(dm.EARLY_FETCH)],
                   help="early_fetch values to try (1: a half's next tile fetched once its codes are "
                        "in registers, before its MMAs)")
-  ap.add_argument("--spec", nargs="*", default=[str(int(dm.SPECIALIZED))],
-                  help="specialized values to try (1: keys and values of a program in two warpgroups; "
-                       "1:K:V also sets their registers per thread, spec_registers)")
   ap.add_argument("--outliers", type=float, default=0.02)
   ap.add_argument("--ptxas", default=None)
   ap.add_argument("--trace", default=None,
@@ -88,15 +79,15 @@ def main():
       cfg = kq.KVQuantConfig(bits=bits, outlier_fraction=a.outliers, residual_window=32, sink_tokens=4)
       cc = kq.quantize_kv(kc, vc, cfg, max_len=1024, lengths=jnp.array([1000, 517, 3]))
       ref = reference.quantized_decode_attention(qc, cc)
-      for om, il, wg, ph, sf, so, ip, ld, ef, sw in itertools.product(
+      for om, il, wg, ph, sf, so, ip, ld, ef in itertools.product(
           a.omma, a.interleave, a.warpgroups, a.phase, a.split, a.staged, a.inplace, a.loopdesc,
-          a.early, a.spec):
+          a.early):
         try:
           out = dm.decode_attention_mgpu(qc, cc, sm_scale=D ** -0.5, outliers_in_mma=bool(om),
                                          stages=a.stages[0], interleave_meta=bool(il), warpgroups=wg,
                                          phase_slots=ph, split_fetch=bool(sf), staged_outliers=bool(so),
                                          in_place_codes=bool(ip), loop_descriptors=bool(ld),
-                                         early_fetch=bool(ef), **_spec(sw))
+                                         early_fetch=bool(ef))
         except Exception as e:            # errors may carry a whole module: keep both ends
           msg = str(e)
           print(f"check warpgroups={wg} phase={ph}: {type(e).__name__}: {msg[:300]} ... {msg[-300:]}",
@@ -105,7 +96,7 @@ def main():
         err = float(jnp.linalg.norm((out - ref).astype(jnp.float32))
                     / jnp.linalg.norm(ref.astype(jnp.float32)))
         print(f"check bits={bits} outliers_in_mma={om} ilv={il} warpgroups={wg} phase={ph} split={sf} "
-              f"staged={so} inplace={ip} loopdesc={ld} early={ef} spec={sw}: "
+              f"staged={so} inplace={ip} loopdesc={ld} early={ef}: "
               f"rel err {err:.2e}", flush=True)
   k, v = make_kv(jax.random.key(0), a.b, a.t)
   q = jax.random.normal(jax.random.key(1), (a.b, HQ, D), jnp.bfloat16)
@@ -115,18 +106,17 @@ def main():
   for ns in a.splits:
     for ph in a.phase:
       for fl in a.inflight:
-        for om, st, hp, il, wg, sf, so, ip, ld, ef, sw, ab in itertools.product(
+        for om, st, hp, il, wg, sf, so, ip, ld, ef, ab in itertools.product(
             a.omma, a.stages, a.heads_pad, a.interleave, a.warpgroups, a.split, a.staged, a.inplace,
-            a.loopdesc, a.early, a.spec, a.ablate):
+            a.loopdesc, a.early, a.ablate):
             ab = frozenset() if ab == "-" else frozenset(ab.split(","))
-            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om, st=st, hp=hp, il=il, wg=wg, sf=sf, so=so, ip=ip, ld=ld, ef=ef, sw=sw:
+            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om, st=st, hp=hp, il=il, wg=wg, sf=sf, so=so, ip=ip, ld=ld, ef=ef:
                         dm.decode_attention_mgpu(
                             q, c, sm_scale=D ** -0.5, num_splits=ns, phase_slots=ph, inflight=fl,
                             outliers_in_mma=bool(om), stages=st, heads_pad=hp or None,
                             interleave_meta=bool(il), warpgroups=wg, split_fetch=bool(sf),
                             staged_outliers=bool(so), in_place_codes=bool(ip),
-                            loop_descriptors=bool(ld), early_fetch=bool(ef), ablate=ab,
-                            **_spec(sw)))
+                            loop_descriptors=bool(ld), early_fetch=bool(ef), ablate=ab))
             try:
               tm = timeit(f, sets)
             except Exception as e:        # e.g. a variant over the shared-memory limit
@@ -137,7 +127,7 @@ def main():
               big_ref = reference.quantized_decode_attention(q, c) if big_ref is None else big_ref
               out = f(q, c).astype(jnp.float32)
               err = f" rel err {float(jnp.linalg.norm(out - big_ref) / jnp.linalg.norm(big_ref)):.2e}"
-            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} heads_pad={hp} ilv={il} wg={wg} split={sf} staged={so} inplace={ip} loopdesc={ld} early={ef} spec={sw} "
+            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} heads_pad={hp} ilv={il} wg={wg} split={sf} staged={so} inplace={ip} loopdesc={ld} early={ef} "
                   f"ablate={','.join(sorted(ab)) or '-':10s} {tm * 1e3:8.3f} ms "
                   f"{c.nbytes / tm / 1e12:5.2f} TB/s{err}", flush=True)
   if a.trace:
@@ -147,8 +137,7 @@ def main():
                                                       staged_outliers=bool(a.staged[-1]),
                                                       in_place_codes=bool(a.inplace[-1]),
                                                       loop_descriptors=bool(a.loopdesc[-1]),
-                                                      early_fetch=bool(a.early[-1]),
-                                                      **_spec(a.spec[-1])))
+                                                      early_fetch=bool(a.early[-1])))
     for _ in range(2):                # the second call's trace is read (the first one compiles)
       jax.block_until_ready(f(q, c))
     summarize_trace(max(glob.glob(f"{a.trace}/*trace.json"), key=os.path.getmtime))

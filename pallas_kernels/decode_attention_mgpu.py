@@ -122,10 +122,6 @@ SPLIT_FETCH = True       # tiles fetched by hand in key and value halves, each a
 EARLY_FETCH = True       # split_fetch: a half's next tile is fetched as soon as its codes are in
                          # registers (its metadata and outliers already staged), not after its MMAs
                          # (H200, B=8 32k: 0.118-0.119 vs 0.119-0.120 ms; 1x128k 0.072 vs 0.073)
-SPECIALIZED = False      # keys and values of a program in two warpgroups (_specialized_loop)
-SPEC_PROGRAMS = 2        # specialized: programs per CTA (4 warpgroups: ptxas fits 128 registers)
-SPEC_REGISTERS = (0, 0)  # specialized: default spec_registers (keys, values per thread)
-                         # (setmaxnreg; 0: the 128 of 512 threads; keys + values <= 256)
 
 
 def supports(layout: kq.KVLayout, num_q_heads_per_kv: int) -> bool:
@@ -671,39 +667,10 @@ def _kernel(len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_
             lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
             ilv: bool = False, wgs: int = 1, split: bool = False, staged: bool = False,
             inplace: bool = False, loop_desc: bool = False, early: bool = False,
-            qprep: float | None = None, ablate: frozenset = frozenset(), spec: int = 0,
-            spec_regs: tuple = (0, 0)):
+            qprep: float | None = None, ablate: frozenset = frozenset()):
   """One program: b, h and split from the grid (``wgs == 1``), or ``wgs`` programs per CTA,
   one per warpgroup, each with its own slice (``.at[wg]``) of every scratch buffer: the
-  ``_N_COMMON`` every program has, then (``_Own``) its tile buffers, barriers and staging.
-  ``spec`` (``specialized``): that many programs per CTA, each with two warpgroups (keys,
-  values), its own slices as above, then the exchange buffers: the correction ``[2, npad]``
-  and the ``pready`` / ``pfree`` barriers (two per program), and the raw queries."""
-  if spec:
-    wg = lax.axis_index("wg")
-    pid, role = wg // 2, wg % 2
-    prog = lax.axis_index("c") * spec + pid
-    nb, nh, ns = o_ref.shape[:3]
-    n_own = 14                                      # 8 tiles, 2 barriers, 3 stagings, reduction
-    views = [r.at[pid] for r in scratch[:_N_COMMON + n_own]]
-    corr, pready, pfree = scratch[_N_COMMON + n_own:_N_COMMON + n_own + 3]
-    qraw = scratch[-1].at[pid] if qprep is not None else None
-    common, own = views[:_N_COMMON] + [qraw], _Own.of(views[_N_COMMON:])
-    xch = (corr.at[pid], lambda buf: pready.at[2 * pid + buf], lambda buf: pfree.at[2 * pid + buf])
-    for r in (0, 1):
-      @pl.when(role == r)
-      def _():
-        if spec_regs[r]:                  # rebalance the 128 registers a thread gets at 512 threads
-          plgpu.set_max_registers(spec_regs[r], action="increase" if r == 0 else "decrease")
-
-        @pl.when(prog < nb * nh * ns)
-        def _():
-          _program(prog // (nh * ns), (prog // ns) % nh, prog % ns, len_ref, q_ref, qo_ref, idx_ref, kc_ref,
-                   ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref, o_ref, oo_ref, m_ref, l_ref,
-                   *common, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma, stages=stages,
-                   npad=npad, ilv=ilv, staged=staged, inplace=inplace, loop_desc=loop_desc, early=early,
-                   qprep=qprep, ablate=ablate, own=own, role=r, xch=xch)
-    return
+  ``_N_COMMON`` every program has, then (``_Own``) its tile buffers, barriers and staging."""
   if wgs == 1:
     b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     qraw = None
@@ -741,15 +708,14 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
              *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
              ilv: bool = False, staged: bool = False, inplace: bool = False, loop_desc: bool = False,
              early: bool = False, qprep: float | None = None, ablate: frozenset = frozenset(),
-             own: _Own | None = None, role: int | None = None, xch=None):
+             own: _Own | None = None):
   """With ``own`` the tiles are fetched by hand, one tile in flight in two halves: the next
   tile's keys as soon as this tile's key buffers are read (after the score MMAs), its values
   after the output MMAs. ``early``: as soon as the last phase has loaded a half's code
   words into registers, where nothing else reads that half's buffers after (staged outliers,
   none as rank-1 updates). Without ``own``, ``plgpu.emit_pipeline`` fetches whole tiles.
   ``qprep`` (the query scale): ``q_ref`` holds the raw queries ``[B, H, g, D]``, staged
-  into the MMA operand here (``_stage_query``); else the operand itself. ``role`` (0 keys,
-  1 values) with ``xch`` (the exchange buffers): ``specialized``, see ``_specialized_loop``."""
+  into the MMA operand here (``_stage_query``); else the operand itself."""
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
   dp, n_out, ng = lay.d_pad, lay.n_out, lay.n_groups_tok
@@ -773,7 +739,6 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
   slot_exps = None if plan is None else [10 - plan[j][1] for j in range(cpw)]   # scale multipliers
 
   _at_lowering(lambda: _descriptors_in_loop(loop_desc))
-  keys, values = role in (None, 0), role in (None, 1)   # this warpgroup's share (role: specialized)
   specs = [
       plgpu.BlockSpec((SLOT, dp), lambda i: (tile0 + i, 0), transforms=_transforms(dp, 2)),   # k codes
       plgpu.BlockSpec((kr, dp), lambda i: (tile0 + i, 0)),                                     # k scale
@@ -793,26 +758,21 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
       idx = tuple(pl.ds(k * n, n) for k, n in zip(blk, spec.block_shape))
       plgpu.copy_gmem_to_smem(src.at[idx], buf, (own.kbar, own.vbar)[half])
 
-  q_out = []
-  if keys:
-    qbar = bar.at[0] if own is None else bar          # (own: already one barrier)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem if qprep is None else qraw_smem, qbar)
-    if n_fma:
-      plgpu.copy_gmem_to_smem(qo_ref.at[b, h], qo_smem, qbar)
-  if own is not None and role is None and "late_tile0" not in ablate:
+  qbar = bar.at[0] if own is None else bar          # (own: already one barrier)
+  plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem if qprep is None else qraw_smem, qbar)
+  if n_fma:
+    plgpu.copy_gmem_to_smem(qo_ref.at[b, h], qo_smem, qbar)
+  if own is not None and "late_tile0" not in ablate:
     fetch(0, 0)                          # tile 0 in flight while the query arrives and is staged
     fetch(0, 1)
-  if keys:
-    plgpu.barrier_wait(qbar)
-    if qprep is not None:
-      _stage_query(qraw_smem, idx_ref.at[b, h], q_smem, dp=dp, d_low=lo_col, scale=qprep)
-    q_out = [_ld(qo_smem, (o,), COL) for o in range(n_fma)]              # [npad] f32 each
+  plgpu.barrier_wait(qbar)
+  if qprep is not None:
+    _stage_query(qraw_smem, idx_ref.at[b, h], q_smem, dp=dp, d_low=lo_col, scale=qprep)
+  q_out = [_ld(qo_smem, (o,), COL) for o in range(n_fma)]              # [npad] f32 each
   if plan is not None and not ilv:     # read by other threads only after this barrier
-    if keys:
-      _fill_slot_multipliers(kmult_smem, unit=kmult_smem.shape[-1] * SLOT // G, exps=slot_exps)
-    if values:
-      _fill_slot_multipliers(vmult_smem, unit=SLOT, exps=slot_exps)
-  if (qprep is not None and keys) or (plan is not None and not ilv):
+    _fill_slot_multipliers(kmult_smem, unit=kmult_smem.shape[-1] * SLOT // G, exps=slot_exps)
+    _fill_slot_multipliers(vmult_smem, unit=SLOT, exps=slot_exps)
+  if qprep is not None or (plan is not None and not ilv):
     plgpu.commit_smem()
 
   rows = plgpu.broadcasted_iota(jnp.int32, (SLOT, npad), 0, layout=wl)
@@ -989,11 +949,10 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
         p_at(n)[...] = p.astype(jnp.float16)
     return m_new, l_rows, corr, terms
 
-  def value_mma(vc, vo, js, acc, p_at, codes_loaded=None, wait_all=False):
+  def value_mma(vc, vo, js, acc, p_at, codes_loaded=None):
     """``out^T [dp, npad] += v^T . p^T`` over slots ``js``: the tile's value code words read
     once, transposed (``codes_loaded()`` right after), each slot's ``v^T`` dequantized in
-    the A-operand layout; ``p_at(n)`` the slot's B operand. ``wait_all``: every MMA has
-    finished reading ``p`` when this returns."""
+    the A-operand layout; ``p_at(n)`` the slot's B operand."""
     vw = plgpu.layout_cast(
         plgpu.load(plgpu.transpose_ref(vc, (1, 0)), (), layout=plgpu.Layout.WGMMA_TRANSPOSED),
         wl)                                                                  # [dp, 64] u16
@@ -1013,8 +972,6 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
         for _ in range(2 if "dblmma" in ablate else 1):
           plgpu.wgmma(acc_ref, v16, pb)
         plgpu.wgmma_wait(inflight)
-      if wait_all:
-        plgpu.wgmma_wait(0)
     return pl.run_state(pv)(plgpu.ACC.init(acc))
 
   def body(idx, kc, ks, kz, ko, vc, vs, vz, vo, carry, hooks=None):
@@ -1058,73 +1015,6 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
                         hooks.values_done if early and hooks is not None and last else None)
     return m, l_rows, acc, acc_vo
 
-  def _specialized_loop(role, fetch, fetch_next):
-    """``specialized``: this program's keys (role 0) or values (role 1) in a warpgroup of
-    their own. The key warpgroup computes a tile's scores and softmax and hands ``p`` and
-    the correction ``exp2(m_old - m_new)`` to the value warpgroup through shared memory
-    (two buffers: ``pready[buf]`` / ``pfree[buf]`` barriers), which rescales its
-    accumulator and runs the output MMAs while the keys go on to the next tile. Each
-    warpgroup fetches its own half of the next tile as soon as its codes are in registers
-    and writes its own outputs (keys: m, l; values: o)."""
-    corr_smem, pready, pfree = xch                    # pready(buf), pfree(buf): barriers
-    js = range(cpw)                                   # one softmax update per tile
-    p_at = lambda buf: (lambda n: p_smem.at[buf * cpw + n])
-    if role == 0:
-      ks, kz, ko = own.tiles[1:4]
-      fetch(0, 0)
-
-      def kstep(i, carry):
-        m, l_rows = carry
-        buf = i % 2
-        with jax.named_scope("kwait"):
-          plgpu.barrier_wait(own.kbar)
-        with jax.named_scope("meta"):
-          stage_meta((ks, kz, kmeta_smem), outliers=((ko, True),) if staged else (), opening=False)
-        with jax.named_scope("qk"):
-          ss = key_scores(own.tiles[0], ko, js, (tile0 + i) * P, lambda: fetch_next(i, 0))
-
-        @pl.when(i >= 2)                  # the value warpgroup is done with this buffer's tile i - 2
-        def _():
-          plgpu.barrier_wait(pfree(buf))
-        with jax.named_scope("softmax"):
-          m, l_rows, corr, _ = softmax_update(ss, js, m, l_rows, None, p_at(buf))
-          corr_smem[buf] = corr
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(pready(buf))
-        return m, l_rows
-      m, l_rows = lax.fori_loop(0, bps, kstep, (_col(jnp.full((npad,), NEG, f32)), zeros_sq()))
-      with jax.named_scope("store"):
-        own.ml[0] = m
-        own.ml[1] = rows_sum(l_rows)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(own.ml.at[0], m_ref.at[b, h, sp])
-        plgpu.copy_smem_to_gmem(own.ml.at[1], l_ref.at[b, h, sp])
-        plgpu.wait_smem_to_gmem(0)
-      return
-
-    vc, vs, vz, vo = own.tiles[4:]
-    fetch(0, 1)
-
-    def vstep(i, acc):
-      buf = i % 2
-      with jax.named_scope("vwait"):
-        plgpu.barrier_wait(own.vbar)
-      with jax.named_scope("meta"):
-        stage_meta((vs, vz, vmeta_smem), outliers=((vo, False),) if staged else (), opening=False)
-      with jax.named_scope("pwait"):
-        plgpu.barrier_wait(pready(buf))
-      with jax.named_scope("pv"):
-        acc = acc * bcol(_ld(corr_smem, (buf,), COL), acc.shape)
-        acc = value_mma(vc, vo, js, acc, p_at(buf), lambda: fetch_next(i, 1), wait_all=True)
-        plgpu.barrier_arrive(pfree(buf))
-      return acc
-    acc = lax.fori_loop(0, bps, vstep, plgpu.layout_cast(jnp.zeros((dp, npad), f32), wl))
-    with jax.named_scope("store"):
-      own.o[...] = acc
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(own.o, o_ref.at[b, h, sp])
-      plgpu.wait_smem_to_gmem(0)
-
   if own is None or own.red is None:
     rows_max, rows_sum = (lambda x: x.max(axis=0)), (lambda x: x.sum(axis=0))
   else:          # the module's reduction scratch is shared by all warpgroups: use our own
@@ -1163,10 +1053,6 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
 
       def values_done(self):
         fetch_next(self.i, 1)
-
-    if role is not None:
-      _specialized_loop(role, fetch, fetch_next)
-      return
 
     if "late_tile0" in ablate:         # timing only: tile 0 fetched after the prologue
       fetch(0, 0)
@@ -1236,8 +1122,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                        interleave_meta=INTERLEAVE_META, warpgroups=1, split_fetch=SPLIT_FETCH,
                        staged_outliers=STAGED_OUTLIERS, in_place_codes=IN_PLACE_CODES,
                        loop_descriptors=LOOP_DESCRIPTORS, early_fetch=EARLY_FETCH, profile_dir="",
-                       ablate=frozenset(), heads_minor=False, raw_query=None, raw_scale=None,
-                       specialized=SPECIALIZED, spec_registers=SPEC_REGISTERS):
+                       ablate=frozenset(), heads_minor=False, raw_query=None, raw_scale=None):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -1249,9 +1134,6 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   ``raw_query`` ``[B, H, g, D]`` (unscaled, any float dtype) with ``raw_scale`` (``sm_scale
   * log2(e)``): where the outliers' query goes into the MMA, the kernel builds its query
   operand from these itself (``qg`` then only gives shapes): no XLA kernels before it.
-  ``specialized``: each program's keys and values in two warpgroups (``_specialized_loop``),
-  ``SPEC_PROGRAMS`` programs per CTA; ``spec_registers`` (keys, values): their registers per
-  thread (``setmaxnreg``; 0, 0: the 128 each thread of 512 gets).
   """
   lay = kv.layout
   f32 = jnp.float32
@@ -1303,40 +1185,20 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   wgs = int(warpgroups)
   if wgs < 1:
     raise ValueError(f"warpgroups (programs per CTA) must be >= 1, got {warpgroups}")
-  spec = SPEC_PROGRAMS if specialized else 0
-  spec_regs = tuple(int(r) for r in spec_registers)
-  if spec_regs != (0, 0) and not (
-      len(spec_regs) == 2 and all(24 <= r <= 256 and r % 8 == 0 for r in spec_regs)
-      and spec_regs[0] >= 128 >= spec_regs[1] and sum(spec_regs) <= 256):
-    raise ValueError("spec_registers must be (0, 0) or (keys, values) registers per thread, "
-                     "multiples of 8 in [24, 256], keys >= 128 >= values, keys + values <= 256 "
-                     f"(the 65536 of an SM over 512 threads); got {spec_registers}")
-  if spec:
-    need = dict(split_fetch=bool(split_fetch), warpgroups_1=wgs == 1, stages_1=stages == 1,
-                one_phase_per_tile=phase == lay.cpw, interleave_meta_off=not ilv,
-                outliers_staged_in_mma=not n_out or bool(omma and staged_outliers))
-    if not all(need.values()):
-      raise ValueError("specialized (keys and values in two warpgroups) needs "
-                       + ", ".join(k for k, v in need.items() if not v)
-                       + f" (got split_fetch={split_fetch}, warpgroups={warpgroups}, stages={stages}, "
-                       f"phase_slots={phase_slots} of {lay.cpw} slots, interleave_meta={interleave_meta}, "
-                       f"outliers_in_mma={outliers_in_mma}, staged_outliers={staged_outliers})")
   if stages != 1 and (split_fetch or wgs > 1):
     raise ValueError(f"stages={stages} needs the whole-tile pipeline: split_fetch=False and "
                      f"warpgroups=1 (got split_fetch={split_fetch}, warpgroups={warpgroups}); "
                      "the hand-written fetch keeps one tile in flight")
-  per_cta = spec or wgs                            # programs per CTA
-  lead = () if per_cta == 1 else (per_cta,)        # several programs per CTA: one slice each
+  lead = () if wgs == 1 else (wgs,)                # several programs per CTA: one slice each
   smem = lambda shape, dtype, **kw: plgpu.SMEM(lead + tuple(shape), dtype, **kw)
-  pbufs = 2 if spec else 1                         # p^T buffers (specialized: keys fill one while
-  scratch = [                                      # the values read the other)
+  scratch = [
       smem((npad, dp), jnp.float16, transforms=_transforms(dp, 2)),
       smem((nop, npad), f32),
-      (smem((pbufs * phase, npad, SLOT), jnp.float16, transforms=_transforms(SLOT, 2)) if _p_tokens_minor(npad)
-       else smem((pbufs * phase, SLOT, npad), jnp.float16, transforms=_transforms(npad, 2))),
+      (smem((phase, npad, SLOT), jnp.float16, transforms=_transforms(SLOT, 2)) if _p_tokens_minor(npad)
+       else smem((phase, SLOT, npad), jnp.float16, transforms=_transforms(npad, 2))),
       _meta_scratch(lead + (kr, dp), ilv, len(lead)),                                  # key s2, z2
       _meta_scratch(lead + (lay.n_groups_tok, SLOT * lay.cpw // c, c), ilv, len(lead)),  # value s2, z2
-      plgpu.Barrier(num_barriers=per_cta, num_arrivals=1 + (n_out > 0 and not omma)),
+      plgpu.Barrier(num_barriers=wgs, num_arrivals=1 + (n_out > 0 and not omma)),
   ]
   staged = bool(omma and staged_outliers and wgs == 1)   # three programs per CTA: no room (11 KB each)
   # in place: each key group must lie in one slot (its staged scale carries that slot's multiplier)
@@ -1361,20 +1223,15 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
               ((lay.n_groups_tok, tile // c, c), ()), ((lay.n_groups_tok, tile // c, c), ()),
               ((vo.shape[2], tile // c, c), ())]
     scratch += [smem(shape, x.dtype, transforms=tr) for (shape, tr), x in zip(blocks, args[4:])]
-    scratch += [plgpu.Barrier(num_barriers=per_cta, num_arrivals=4),
-                plgpu.Barrier(num_barriers=per_cta, num_arrivals=4),
+    scratch += [plgpu.Barrier(num_barriers=wgs, num_arrivals=4), plgpu.Barrier(num_barriers=wgs, num_arrivals=4),
                 smem((dp, npad), f32), smem((nop, npad), f32), smem((2, npad), f32)]
-    if per_cta > 1:
+    if wgs > 1:
       scratch.append(smem((256,), f32))                     # cross-warp reductions
-  if spec:                       # correction, p ready / p free (one barrier per program and buffer)
-    scratch += [smem((2, npad), f32), plgpu.Barrier(num_barriers=2 * spec, num_arrivals=1),
-                plgpu.Barrier(num_barriers=2 * spec, num_arrivals=1)]
   if qprep is not None:
     scratch.append(smem((g, d), q_lo.dtype))                # the raw queries (last: one program per CTA)
-  if per_cta > 1:
-    n_cta = -(-(b * h * ns) // per_cta)
-    grid = dict(grid=(n_cta,), grid_names=("c",), num_threads=per_cta * (2 if spec else 1),
-                thread_name="wg")
+  if wgs > 1:
+    n_cta = -(-(b * h * ns) // wgs)
+    grid = dict(grid=(n_cta,), grid_names=("c",), num_threads=wgs, thread_name="wg")
   else:
     grid = dict(grid=(b, h, ns), grid_names=("b", "h", "s"))
   # profile_dir: Mosaic's on-device profiler writes one trace per call there (regions "meta",
@@ -1385,8 +1242,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
                         stages=stages, npad=npad, ilv=ilv, wgs=wgs, split=bool(split_fetch),
                         staged=staged, inplace=inplace, loop_desc=bool(loop_descriptors),
-                        early=bool(early_fetch), qprep=qprep, ablate=ablate, spec=spec,
-                        spec_regs=spec_regs if spec else (0, 0)),
+                        early=bool(early_fetch), qprep=qprep, ablate=ablate),
       out_type=out_types, scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024, **prof), **grid,
   )
@@ -1405,16 +1261,14 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                                              "outliers_in_mma", "stages", "heads_pad",
                                              "interleave_meta", "warpgroups", "split_fetch",
                                              "staged_outliers", "in_place_codes", "loop_descriptors",
-                                             "early_fetch", "profile_dir", "ablate", "merge_kernel",
-                                             "specialized", "spec_registers"))
+                                             "early_fetch", "profile_dir", "ablate", "merge_kernel"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
                           heads_pad=None, interleave_meta=INTERLEAVE_META, warpgroups=1,
                           split_fetch=SPLIT_FETCH, staged_outliers=STAGED_OUTLIERS,
                           in_place_codes=IN_PLACE_CODES, loop_descriptors=LOOP_DESCRIPTORS,
                           early_fetch=EARLY_FETCH, profile_dir="", ablate: frozenset = frozenset(),
-                          merge_kernel=True, specialized=SPECIALIZED,
-                          spec_registers=SPEC_REGISTERS):
+                          merge_kernel=True):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first.
   ``merge_kernel``: sinks, window and the split merge in ``decode_merge_gpu``'s kernel
@@ -1425,7 +1279,7 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
               interleave_meta=interleave_meta, warpgroups=warpgroups, split_fetch=split_fetch,
               staged_outliers=staged_outliers, in_place_codes=in_place_codes,
               loop_descriptors=loop_descriptors, early_fetch=early_fetch, profile_dir=profile_dir,
-              ablate=ablate, specialized=specialized, spec_registers=spec_registers)
+              ablate=ablate)
   if merge_kernel and _split_in_mma(kv.layout, outliers_in_mma):
     # window, merge and channel order in one Triton kernel (as XLA ops: ~7 small kernels)
     # (the merge scales the raw query and writes q.dtype itself: two XLA kernels fewer)

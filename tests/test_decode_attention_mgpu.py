@@ -188,13 +188,6 @@ def test_is_hopper_is_false_on_cpu():
 @pytest.mark.parametrize("kw,match", [
     ({"stages": 2}, "split_fetch=False"),      # two tiles in flight need the whole-tile pipeline
     ({"warpgroups": 0}, "warpgroups"),         # programs per CTA must be >= 1
-    ({"specialized": True, "split_fetch": False}, "needs split_fetch"),
-    ({"specialized": True, "warpgroups": 2}, "needs warpgroups_1"),
-    ({"specialized": True, "phase_slots": 4}, "needs one_phase_per_tile"),
-    ({"specialized": True, "interleave_meta": True}, "needs interleave_meta_off"),
-    ({"specialized": True, "staged_outliers": False}, "needs outliers_staged_in_mma"),
-    ({"specialized": True, "spec_registers": (168, 96)}, "keys \\+ values <= 256"),
-    ({"specialized": True, "spec_registers": (100, 96)}, "multiples of 8"),
 ])
 def test_bad_options_are_clear_errors(kw, match):
   cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=0.02)
@@ -202,39 +195,6 @@ def test_bad_options_are_clear_errors(kw, match):
   q = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match=match):
     jax.jit(lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=0.1, **kw)).trace(q, kv)
-
-
-@pytest.mark.parametrize("bits,frac,heads", [(2, 0.02, 4), (3, 0.02, 12), (4, 0.0, 8), (8, 0.03, 4)])
-def test_lowers_for_cuda_specialized(bits, frac, heads):
-  """specialized: each program's keys and values in two warpgroups (two programs, four
-  warpgroups per CTA; 3-bit tiles of 320 tokens; 16 query heads per MMA) trace and lower."""
-  cfg = kq.KVQuantConfig(bits=bits, group_size=32, outlier_fraction=frac, residual_window=32)
-  kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 2, 2, 128, 4096))
-  q = jax.ShapeDtypeStruct((2, 2 * heads, 128), jnp.bfloat16)
-  fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, specialized=True)
-  text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text
-
-
-def test_specialized_splits_the_mmas_between_two_warpgroups():
-  """specialized: the same score and output MMAs as the default kernel (8 slots x 8 K-steps
-  and 8 slots x 2 x 4 per tile), now under two branches on the warpgroup's role, and the
-  p^T exchange between them through two barrier pairs."""
-  plain, spec = _mosaic_module_text(), _mosaic_module_text(specialized=True)
-  count = lambda text: sum("wgmma.mma_async" in l for l in text.splitlines())
-  assert count(plain) == count(spec) == 128
-  # plain arrivals (not a TMA's expect_tx): one on pready (keys) and one on pfree (values)
-  arrives = lambda text: sum("mbarrier.arrive" in l and "expect_tx" not in l for l in text.splitlines())
-  assert arrives(plain) == 0 and arrives(spec) == 2
-
-
-def test_spec_registers_rebalance_the_two_roles():
-  """spec_registers: the key warpgroups raise their registers per thread, the value
-  warpgroups lower theirs (setmaxnreg); none by default."""
-  regs = lambda text: [l.strip() for l in text.splitlines() if "setmaxregister" in l]
-  assert regs(_mosaic_module_text(specialized=True)) == []
-  assert regs(_mosaic_module_text(specialized=True, spec_registers=(160, 96))) == ["nvvm.setmaxregister increase 160",
-                                                         "nvvm.setmaxregister decrease 96"]
 
 
 def _mosaic_module_text(**kw):
