@@ -58,14 +58,17 @@ padding on the token axis and the dequantized tiles never leave registers:
   values are converted to fp16 once (``staged_outliers``, ``_stage_outliers``), so a
   patched register costs one 32-bit shared load and one select or lop3 (was ~13
   instructions: a fifth of the loop; H200, B=8, 32k: 0.196 -> 0.178 ms).
-* Sinks and the full-precision window are attended in plain ``jnp`` (a few
-  dozen tokens); the partials are merged in log2 units as in the Triton kernel.
+* Sinks and the full-precision window (a few dozen tokens) are attended, and the splits'
+  partials merged in log2 units, by one Triton kernel after this one
+  (``decode_merge_gpu.merge_heads_minor``; ``merge_kernel=False``: plain ``jnp``).
 * ``warpgroups=3`` runs three programs per CTA, one per warpgroup, each with its own
   slice of every shared buffer and its tiles fetched by hand (``_kernel``): a CTA of
   384 threads makes ptxas fit 168 registers per thread, the only way to get a third
   program onto an SM. It is correct but slower (H200, B=8, 32k, phase 4: 0.240
   against 0.199 ms; ptxas spills 300 bytes at 168 registers, against 255 without
-  spills for one program per CTA), so the default stays one.
+  spills for one program per CTA), so the default stays one. Splitting a program's keys
+  and values over two warpgroups (softmax in one, output MMAs in the other, 512 threads per
+  CTA) was slower too: 0.126 ms at best against 0.116 (commit e4c4760 has it).
 
 Supported (``supports(layout, num_q_heads)``): keys per channel and values per
 token (KIVI's assignment), ``D_pad`` a multiple of 64, ``group_size`` >= 32
