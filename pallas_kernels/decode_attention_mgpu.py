@@ -15,7 +15,8 @@ padding on the token axis and the dequantized tiles never leave registers:
   MMAs, so a program waits less for its own tiles (on-device profile, B=8, 32k: time
   outside the compute regions 22.5 -> 19.3 % of a program); with ``early_fetch``
   (default) each half as soon as its code words are in registers, before its MMAs
-  (3.9 %); the first tile is requested before the program waits for its query. Without it, ``plgpu.emit_pipeline`` (``stages`` deep) fetches whole tiles.
+  (3.9 %); the first tile is requested before the program waits for its query. Without
+  it, ``plgpu.emit_pipeline`` (``stages`` deep) fetches whole tiles.
 * The query operand (scaled, channels in the cache's split order, padded) is built by the
   kernel from the raw queries (``_stage_query``), and the quantized token count from the
   lengths: no XLA kernels run before it (three fewer launches, ~4 us at B=8, 32k).
@@ -931,10 +932,10 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
       ss[n] = jnp.where(tbase + j * SLOT + rows < nq, s, NEG)
     return ss
 
-  def softmax_update(ss, js, m, l_rows, vo, p_at):
+  def softmax_update(ss, js, m, l_rows, vo):
     """One online-softmax update over the scores of slots ``js`` (a single cross-warp max;
     the running sum stays distributed over rows): stores each slot's ``p`` as fp16 in
-    ``p_at(n)`` and returns the new (m, l_rows), the correction ``exp2(m_old - m)`` ``[npad]``
+    ``p_smem[n]`` and returns the new (m, l_rows), the correction ``exp2(m_old - m)`` ``[npad]``
     and the rank-1 outlier terms ``p * v_out`` of each slot (n_fma only)."""
     s_max = functools.reduce(jnp.maximum, ss)
     m_new = m if "max" in ablate else jnp.maximum(m, rows_max(s_max))
@@ -947,15 +948,15 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
       if "out" not in ablate:
         terms.append([brow(_ld(vo, (o,) + tok_idx(j), ROW), p.shape) * p for o in range(n_fma)])
       if p_tokens_minor:                     # [npad, 64]: 16-byte rows of p^T cannot be swizzled
-        _store_transposed(p.astype(jnp.float16), p_at(n))
+        _store_transposed(p.astype(jnp.float16), p_smem.at[n])
       else:
-        p_at(n)[...] = p.astype(jnp.float16)
+        p_smem[n] = p.astype(jnp.float16)
     return m_new, l_rows, corr, terms
 
-  def value_mma(vc, vo, js, acc, p_at, codes_loaded=None):
+  def value_mma(vc, vo, js, acc, codes_loaded=None):
     """``out^T [dp, npad] += v^T . p^T`` over slots ``js``: the tile's value code words read
     once, transposed (``codes_loaded()`` right after), each slot's ``v^T`` dequantized in
-    the A-operand layout; ``p_at(n)`` the slot's B operand."""
+    the A-operand layout; ``p_smem[n]`` the slot's B operand."""
     vw = plgpu.layout_cast(
         plgpu.load(plgpu.transpose_ref(vc, (1, 0)), (), layout=plgpu.Layout.WGMMA_TRANSPOSED),
         wl)                                                                  # [dp, 64] u16
@@ -971,7 +972,7 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
                        timing_form=v_form, pos=None if plan is None else plan[j][1],
                        patch_ref=vout_smem if staged else vo,
                        patch=value_patch(j) if omma else None)
-        pb = plgpu.transpose_ref(p_at(n), (1, 0)) if p_tokens_minor else p_at(n)
+        pb = plgpu.transpose_ref(p_smem.at[n], (1, 0)) if p_tokens_minor else p_smem.at[n]
         for _ in range(2 if "dblmma" in ablate else 1):
           plgpu.wgmma(acc_ref, v16, pb)
         plgpu.wgmma_wait(inflight)
@@ -1005,7 +1006,7 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
           stage_meta((vs, vz, vmeta_smem), outliers=((vo, False),) if staged else (), opening=False)
 
       with jax.named_scope("softmax"):     # a region in profile traces
-        m, l_rows, corr, terms = softmax_update(ss, js, m, l_rows, vo, lambda n: p_smem.at[n])
+        m, l_rows, corr, terms = softmax_update(ss, js, m, l_rows, vo)
         acc = acc * bcol(corr, acc.shape)
         acc_vo = [a * bcol(corr, a.shape) for a in acc_vo]
         for term in terms:
@@ -1014,7 +1015,7 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
 
       with jax.named_scope("pv"):     # a region in profile traces
         # --- phase 2: out^T [dp, npad] += v^T . p^T, v^T dequantized in the A-operand layout
-        acc = value_mma(vc, vo, js, acc, lambda n: p_smem.at[n],
+        acc = value_mma(vc, vo, js, acc,
                         hooks.values_done if early and hooks is not None and last else None)
     return m, l_rows, acc, acc_vo
 
