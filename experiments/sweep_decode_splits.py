@@ -25,7 +25,7 @@ from pallas_kernels.decode_attention import decode_attention  # noqa: E402
 
 def main():
   B, T = 8, 32768
-  bw, _ = copy_bandwidth()
+  bw, _, _ = copy_bandwidth()
   sets = []
   for i in range(4):
     k, v = make_kv(jax.random.key(i), B, T)

@@ -123,6 +123,7 @@ LOOP_DESCRIPTORS = True  # MMA descriptors formed in the loop, not held in regis
 _N_COMMON = 10           # scratch buffers every program has (before its _Own ones)
 SPLIT_FETCH = True       # tiles fetched by hand in key and value halves, each as soon as its
                          # buffers are free (H200: B=8 32k 0.199 -> 0.194 ms, B=1 128k 0.144 -> 0.140)
+WARP_MMA = False         # each warp its own 16 tokens per slot with mma.sync, own softmax state
 EARLY_FETCH = True       # split_fetch: a half's next tile is fetched as soon as its codes are in
                          # registers (its metadata and outliers already staged), not after its MMAs
                          # (H200, B=8 32k: 0.118-0.119 vs 0.119-0.120 ms; 1x128k 0.072 vs 0.073)
@@ -274,7 +275,7 @@ def _rotate_words(words, r):
 
 
 def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=None,
-             interleaved=False, timing_form="", pos=None):
+             interleaved=False, timing_form="", pos=None, meta_key=None):
   """uint16 code words [M, N] (WGMMA layout) -> fp16 [M, N] (WGMMA layout), in registers.
 
   meta_ref: shared memory ``f16[2, ...]`` holding ``s2 = s * 2**bits`` (``[0]``) and
@@ -291,6 +292,10 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
   interleaved: ``meta_ref`` is ``i32[..., L / 16, 4, 4]`` (``_stage_wide``), ``meta_index``
   gives ``[..., column // 16, quad]``: one 128-bit load brings s2 and z2 of register
   tiles ``k`` and ``k ^ 1``.
+
+  ``meta_key(mt, k, half)`` (optional; not with ``interleaved``): registers with equal keys share
+  one metadata pair, ``meta_index(mt, k, warp, quad, half)`` then gets the row half too
+  (``warp_mma``'s transposed values: the halves are different tokens).
 
   ``patch(mt, k, half, value_i32, patch_ref, row, quad)`` (optional) may replace the
   two fp16 values of a register (as an i32) by others read from ``patch_ref``; it
@@ -329,19 +334,21 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
                        arith.shrui(arith.andi(tid, _i32(31)), _i32(2)))
     for idx in np.ndindex(regs.shape):
       mt, k = idx[0], idx[1]
-      if (raw or nometa) and (mt, k) not in meta:
-        meta[mt, k] = [_i32(0x3C003C00), _i32(0)]
-      elif interleaved and (mt, k) not in meta:      # one load for register tiles k and k ^ 1
+      key = (mt, k) if meta_key is None else meta_key(mt, k, idx[4])
+      if (raw or nometa) and key not in meta:
+        meta[key] = [_i32(0x3C003C00), _i32(0)]
+      elif interleaved and key not in meta:      # one load for register tiles k and k ^ 1
         four = vector.load(ir.VectorType.get((4,), i32), mref,
                            meta_index(mt, k, warp, quad) + [arith.constant(index, 0)])
         for kk in (k - k % 2, k - k % 2 + 1):
           meta[mt, kk] = [vector.extract(four, [], [2 * a + kk % 2]) for a in (0, 1)]
-      elif (mt, k) not in meta:
-        ii = meta_index(mt, k, warp, quad)
-        meta[mt, k] = [mgpu_utils.bitcast(vector.load(f16x2, mref, [arith.constant(index, a)] + ii), i32)
-                       for a in (0, 1)]
+      elif key not in meta:
+        ii = (meta_index(mt, k, warp, quad) if meta_key is None
+              else meta_index(mt, k, warp, quad, idx[4]))
+        meta[key] = [mgpu_utils.bitcast(vector.load(f16x2, mref, [arith.constant(index, a)] + ii), i32)
+                     for a in (0, 1)]
       w32 = mgpu_utils.bitcast(regs[idx], i32)
-      s2, z2 = meta[mt, k]
+      s2, z2 = meta[key]
       r = w32 if raw else llvm.inline_asm(i32, [w32, s2, z2], asm, "=r,r,r,r")
       if patch is not None:
         patched = patch(idx[0], idx[1], idx[4], r, pref[0], row, quad_i32)
@@ -375,6 +382,191 @@ def _store_transposed(x, ref):
         bits16 = arith.trunci(i16, pair if e == 0 else arith.shrui(pair, _i32(16)))
         memref.store(arith.bitcast(f16, bits16), mref, [zero, zero, _index(n), _index(col)])
   fn(x, ref)
+
+
+# --- warp_mma: each warp multiplies its own 16 tokens with mma.sync (no warpgroup coupling) ---
+# The WGMMA register layout of a [64, N] array is four stacked m16n8 fragments, one per warp:
+# thread 32 w + 4 g + t holds rows 16 w + g (+ 8: "half") and columns 8 k + 2 t (+ 1) of
+# register tile k. A warp's rows of the key tile are then an mma.sync A operand as they stand.
+
+_MMA_ASM = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, "
+            "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+
+
+def _regs_at(arr, mt, k, half):
+  """The register of tile (mt, k), row half ``half`` of a WGMMA-layout FragmentedArray."""
+  idx = [0] * arr.registers.ndim
+  idx[0], idx[1], idx[4] = mt, k, half
+  return arr.registers[tuple(idx)]
+
+
+def _as_i32(x):
+  return mgpu_utils.bitcast(x, ir.IntegerType.get_signless(32))
+
+
+def _mma16816(a, b, c):
+  """One warp's ``d [16, 8] = a [16, 16] . b [16, 8] + c`` (fp16 in, f32 accumulate):
+  a: four i32 (a0..a3 of the PTX fragment), b: two i32, c: two vector<2xf32> (rows g, g + 8)
+  -> two vector<2xf32>."""
+  f32 = ir.F32Type.get()
+  v2 = ir.VectorType.get((2,), f32)
+  cs = [vector.extract(x, dynamic_position=[], static_position=[e]) for x in c for e in (0, 1)]
+  res = llvm.inline_asm(llvm.StructType.get_literal([f32] * 4), list(a) + list(b) + cs, _MMA_ASM,
+                        "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3")
+  ds = [llvm.extractvalue(f32, res, [e]) for e in range(4)]
+  return vector.from_elements(v2, ds[:2]), vector.from_elements(v2, ds[2:])
+
+
+def _movmatrix_t(x_i32):
+  """The warp's 8x8 16-bit matrix (thread 4 g + t holds row g, columns 2 t, 2 t + 1) transposed."""
+  i32 = ir.IntegerType.get_signless(32)
+  return llvm.inline_asm(i32, [x_i32], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r")
+
+
+def _frag(regs, layout=None):
+  return mgpu.FragmentedArray(_registers=regs, _layout=layout or mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+
+def _warp_scores(k16, q_ref, *, npad):
+  """scores^T [64, npad] f32 (WGMMA layout) = k [64, D_pad] (fp16, WGMMA layout) . q^T, each
+  warp its own 16 rows with mma.sync; ``q_ref [npad, D_pad]`` fp16 (128-byte swizzled, as
+  ``_stage_query`` writes it) gives the B fragments: thread 4 g + t loads q[8 n + g,
+  16 kk + 2 t (+ 8)]. Two accumulators per column tile (even and odd kk) halve the chain."""
+  wl = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(wl, plgpu.RefType(_transforms(k16.shape[1], 2))),
+                     return_type=plgpu.ShapeDtypeStruct((SLOT, npad), jnp.float32, wl))
+  def fn(ctx, ka, qref):
+    del ctx
+    f32, f16 = ir.F32Type.get(), ir.F16Type.get()
+    v2 = ir.VectorType.get((2,), f32)
+    f16x2 = ir.VectorType.get((2,), f16)
+    tid = mgpu_utils.thread_idx()
+    g = arith.andi(arith.shrui(tid, _i32(2)), _i32(7))
+    t = arith.andi(tid, _i32(3))
+    dp = ka.shape[1]
+    zero = arith.constant(f32, 0.0)
+    out = np.empty(ka.registers.shape[:1] + (npad // 8,) + ka.registers.shape[2:], object)
+    for ni in range(npad // 8):
+      row = arith.addi(g, _i32(8 * ni))
+      accs = [[vector.from_elements(v2, [zero, zero])] * 2 for _ in range(2)]
+      for kk in range(dp // 16):
+        a = [_as_i32(_regs_at(ka, 0, 2 * kk + hk, h)) for hk in (0, 1) for h in (0, 1)]
+        b = []
+        for hk in (0, 1):
+          col = arith.addi(_i32(16 * kk + 8 * hk), arith.muli(t, _i32(2)))
+          b.append(_as_i32(vector.load(f16x2, qref, [_ix(ni), _ix(16 * kk // 64), _index(g),
+                                                    _index(_swizzled_col(row, col))])))
+        accs[kk % 2] = list(_mma16816(a, b, accs[kk % 2]))
+      for h in (0, 1):
+        idx = [0] * out.ndim
+        idx[1], idx[4] = ni, h
+        out[tuple(idx)] = arith.addf(accs[0][h], accs[1][h])
+    return _frag(out)
+  return fn(k16, q_ref)
+
+
+def _warp_colmax(x):
+  """x [64, N] f32 (WGMMA layout) -> [64, N]: each warp's column maxima over its own 16 rows,
+  in every row of the warp (three butterfly shuffles, no shared memory)."""
+  wl = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(wl,), return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32, wl))
+  def fn(ctx, xa):
+    del ctx
+    out = xa.registers.copy()
+    for ni in range(xa.shape[1] // 8):
+      m = arith.maximumf(_regs_at(xa, 0, ni, 0), _regs_at(xa, 0, ni, 1))
+      for dist in (4, 8, 16):
+        m = arith.maximumf(m, mgpu_utils.shfl_bfly(m, dist))
+      for idx in np.ndindex(out.shape):
+        if idx[1] == ni:
+          out[idx] = m
+    return _frag(out)
+  return fn(x)
+
+
+def _warp_scale(acc, f):
+  """acc [M, N] (WGMMA layout; each warp's own rows) times f [64, N] (per-warp columns, as
+  ``_warp_colmax`` gives them): every register of a warp by its warp's factors."""
+  wl = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(wl, wl), return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, wl))
+  def fn(ctx, aa, fa):
+    del ctx
+    out = aa.registers.copy()
+    for idx in np.ndindex(out.shape):
+      out[idx] = arith.mulf(out[idx], _regs_at(fa, 0, idx[1], 0))
+    return _frag(out)
+  return fn(acc, f)
+
+
+def _transpose_words(words):
+  """uint16 words [64, D_pad] (WGMMA layout) with every 8x8 register block transposed within
+  its warp: register (k, half) then holds column ``8 k + g`` and rows ``16 w + 8 half + 2 t
+  (+ 1)``, the A fragments of ``v^T`` over the warp's own 16 tokens."""
+  wl = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(wl,), return_type=plgpu.ShapeDtypeStruct(words.shape, words.dtype, wl))
+  def fn(ctx, w):
+    del ctx
+    out = w.registers.copy()
+    for idx in np.ndindex(out.shape):
+      out[idx] = mgpu_utils.bitcast(_movmatrix_t(_as_i32(out[idx])), w.registers[idx].type)
+    return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=False)
+  return fn(words)
+
+
+def _warp_pv(acc, v16t, p):
+  """``acc [4 D_pad, N] += v^T . p^T`` per warp over its own 16 tokens (mma.sync): ``v16t``
+  ``[64, D_pad]`` fp16, ``_transpose_words``' arrangement (register (k, half): channel 8 k + g,
+  tokens 8 half + 2 t (+ 1) of the warp); ``p [64, N]`` f32 (WGMMA layout), made the B fragment
+  by an fp16 conversion and one transpose per 8 tokens; ``acc`` row ``64 mi + 16 w + 8 h + g``
+  is warp w's channel ``16 mi + 8 h + g``."""
+  wl = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(wl, wl, wl), return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, wl))
+  def fn(ctx, aa, va, pa):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    out = aa.registers.copy()
+    for ni in range(pa.shape[1] // 8):
+      b = []
+      for h in (0, 1):
+        x = _regs_at(pa, 0, ni, h)
+        lo, hi = [vector.extract(x, dynamic_position=[], static_position=[e]) for e in (0, 1)]
+        packed = llvm.inline_asm(i32, [lo, hi], "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f")
+        b.append(_movmatrix_t(packed))
+      for mi in range(aa.shape[0] // 64):
+        a = [_as_i32(_regs_at(va, 0, 2 * mi + hk, h)) for h in (0, 1) for hk in (0, 1)]
+        c = [_regs_at(aa, mi, ni, h) for h in (0, 1)]
+        d = _mma16816(a, b, c)
+        for h in (0, 1):
+          idx = [0] * out.ndim
+          idx[0], idx[1], idx[4] = mi, ni, h
+          out[tuple(idx)] = d[h]
+    return _frag(out)
+  return fn(acc, v16t, p)
+
+
+def _sum_warps(red_ref, o_ref):
+  """``red [4 D_pad, N]`` f32 (``_warp_pv``'s rows: warp w's channel 16 mi + r at row
+  64 mi + 16 w + r) summed over the four warps into ``o [D_pad, N]`` (shared memory)."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+  def fn(ctx, red, o):
+    del ctx
+    dp, n = ir.MemRefType(o.type).shape
+    tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
+    for e in range(-(-dp * n // 128)):
+      flat = arith.minui(arith.addi(tid, _i32(128 * e)), _i32(dp * n - 1))
+      ch, col = arith.divui(flat, _i32(n)), arith.remui(flat, _i32(n))
+      base = arith.addi(arith.muli(arith.shrui(ch, _i32(4)), _i32(64)), arith.andi(ch, _i32(15)))
+      total = None
+      for w in range(4):
+        x = memref.load(red, [_index(arith.addi(base, _i32(16 * w))), _index(col)])
+        total = x if total is None else arith.addf(total, x)
+      memref.store(total, o, [_index(ch), _index(col)])
+  fn(red_ref, o_ref)
 
 
 def _slot_exponent(x, *, unit, exps):
@@ -671,15 +863,17 @@ def _kernel(len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_
             lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
             ilv: bool = False, wgs: int = 1, split: bool = False, staged: bool = False,
             inplace: bool = False, loop_desc: bool = False, early: bool = False,
-            qprep: float | None = None, ablate: frozenset = frozenset()):
+            qprep: float | None = None, ablate: frozenset = frozenset(), warp_mma: bool = False):
   """One program: b, h and split from the grid (``wgs == 1``), or ``wgs`` programs per CTA,
   one per warpgroup, each with its own slice (``.at[wg]``) of every scratch buffer: the
   ``_N_COMMON`` every program has, then (``_Own``) its tile buffers, barriers and staging."""
   if wgs == 1:
     b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
-    qraw = None
+    qraw = wred = None
     if qprep is not None:
       scratch, qraw = scratch[:-1], scratch[-1]
+    if warp_mma:
+      scratch, wred = scratch[:-1], scratch[-1]
     common, own = list(scratch[:_N_COMMON]) + [qraw], None
     if split:                      # one-barrier arrays -> barriers, as the .at[wg] views below
       common[5] = common[5].at[0]
@@ -688,7 +882,8 @@ def _kernel(len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_
     _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
              o_ref, oo_ref, m_ref, l_ref, *common, lay=lay, bps=bps, phase=phase, inflight=inflight,
              omma=omma, stages=stages, npad=npad, ilv=ilv, staged=staged, inplace=inplace,
-             loop_desc=loop_desc, early=early, qprep=qprep, ablate=ablate, own=own)
+             loop_desc=loop_desc, early=early, qprep=qprep, ablate=ablate, own=own,
+             warp_mma=warp_mma, wred=wred)
     return
   wg = lax.axis_index("wg")
   prog = lax.axis_index("c") * wgs + wg
@@ -712,14 +907,16 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
              *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
              ilv: bool = False, staged: bool = False, inplace: bool = False, loop_desc: bool = False,
              early: bool = False, qprep: float | None = None, ablate: frozenset = frozenset(),
-             own: _Own | None = None):
+             own: _Own | None = None, warp_mma: bool = False, wred=None):
   """With ``own`` the tiles are fetched by hand, one tile in flight in two halves: the next
   tile's keys as soon as this tile's key buffers are read (after the score MMAs), its values
   after the output MMAs. ``early``: as soon as the last phase has loaded a half's code
   words into registers, where nothing else reads that half's buffers after (staged outliers,
   none as rank-1 updates). Without ``own``, ``plgpu.emit_pipeline`` fetches whole tiles.
   ``qprep`` (the query scale): ``q_ref`` holds the raw queries ``[B, H, g, D]``, staged
-  into the MMA operand here (``_stage_query``); else the operand itself."""
+  into the MMA operand here (``_stage_query``); else the operand itself. ``warp_mma``: each
+  warp multiplies its own 16 tokens of every slot with mma.sync and keeps its own softmax
+  state, combined over the warps once at the end (``wred [4 D_pad, N]`` f32 scratch)."""
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
   dp, n_out, ng = lay.d_pad, lay.n_out, lay.n_groups_tok
@@ -799,6 +996,16 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
     return lambda mt, k, warp, quad: [_affine(64 * mt, 16, warp, div=G, cap=ng - 1),
                                       _ix(t0 // C)] + col(k, quad)
 
+  def v_meta_index_t(j):
+    # warp_mma's v^T: register (k, half) holds channel 8 k + g and the slot's tokens
+    # 16 warp + 8 half + 2 quad (+ 1): one pair per (channel group, half)
+    t0 = j * SLOT
+    return lambda mt, k, warp, quad, half: [
+        _ix(min(8 * k // G, ng - 1)), _ix(t0 // C),
+        arith.addi(_affine(t0 % C + 8 * half, 16, warp), arith.muli(_ix(2), quad))]
+
+  v_meta_key_t = lambda mt, k, half: (min(8 * k // G, ng - 1), half)
+
   k_lo = lo_col - lo_col % 2                        # first column of kout_smem (even: pairs align)
   k_w = kout_smem.shape[-1]
 
@@ -873,6 +1080,22 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
       return _select_halves(pred, lo, pred, hi, r)
     return patch
 
+  def value_patch_t(j):
+    """warp_mma's v^T (register (k, half): channel 8 k + g, tokens 16 w + 8 half + 2 t (+ 1)):
+    outlier channels take an fp16 pair of neighbouring tokens from ``vout_smem`` (staged)."""
+    def patch(mt, k, half, r, vout_ref, row, quad):
+      if not (8 * k < hi_col and 8 * k + 8 > lo_col):
+        return None
+      g = arith.andi(row, _i32(7))                     # row = 16 warp + g
+      pred, o = _in_range(arith.addi(g, _i32(8 * k)), lo_col, hi_col)
+      t0 = j * SLOT
+      col = arith.addi(arith.addi(_i32(t0 % C + 8 * half), arith.subi(row, g)), arith.muli(quad, _i32(2)))
+      f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+      pair = mgpu_utils.bitcast(vector.load(f16x2, vout_ref, [_index(o), _ix(t0 // C), _index(col)]),
+                                ir.IntegerType.get_signless(32))
+      return arith.select(pred, pair, r)
+    return patch
+
   def stage_meta(*pairs, outliers=(), opening=True):
     """fp8/16-bit metadata of one tile -> (s * 2**bits, z - s * 2**bits) in fp16, in smem;
     pairs: (scales, zeros, destination) of keys and/or values; outliers (``staged``): the
@@ -912,19 +1135,30 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
     if codes_loaded is not None:
       codes_loaded()
 
+    def k16_of(words, j):
+      return _dequant(words, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j), interleaved=ilv,
+                      timing_form=k_form, pos=None if plan is None else plan[j][1],
+                      patch_ref=kout_smem if staged else ko, patch=key_patch(j) if omma else None)
+
+    def qk_warps():                           # warp_mma: each warp its own rows, mma.sync
+      words, out = kw, []
+      for j in js:
+        if plan is not None and plan[j][0]:
+          words = _rotate_words(words, plan[j][0])
+        out.append(_warp_scores(k16_of(words, j), q_smem, npad=npad))
+      return out
+
     def qk(*acc_refs):
       words = kw
       for a_ref, j in zip(acc_refs, js):
         if plan is not None and plan[j][0]:
           words = _rotate_words(words, plan[j][0])      # in place: the old words are dead
-        k16 = _dequant(words, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j), interleaved=ilv,
-                       timing_form=k_form, pos=None if plan is None else plan[j][1],
-                       patch_ref=kout_smem if staged else ko, patch=key_patch(j) if omma else None)
+        k16 = k16_of(words, j)
         for _ in range(2 if "dblmma" in ablate else 1):      # timing only: the MMAs' own cost
           plgpu.wgmma(a_ref, k16, plgpu.transpose_ref(q_smem, (1, 0)))
         plgpu.wgmma_wait(inflight)            # MMAs left in flight while the next slot dequantizes
       return [a_ref[...] for a_ref in acc_refs]
-    ss = list(pl.run_scoped(qk, *[plgpu.ACC((SLOT, npad), f32) for _ in js]))
+    ss = qk_warps() if warp_mma else list(pl.run_scoped(qk, *[plgpu.ACC((SLOT, npad), f32) for _ in js]))
     for n, j in enumerate(js):
       s = ss[n]
       for o in range(0 if "out" in ablate else n_fma):
@@ -938,6 +1172,15 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
     ``p_smem[n]`` and returns the new (m, l_rows), the correction ``exp2(m_old - m)`` ``[npad]``
     and the rank-1 outlier terms ``p * v_out`` of each slot (n_fma only)."""
     s_max = functools.reduce(jnp.maximum, ss)
+    if warp_mma:                  # per warp: m [64, npad], each warp's rows its own maxima
+      m_new = jnp.maximum(m, _warp_colmax(s_max))
+      corr = jnp.exp2(m - m_new)
+      l_rows = l_rows * corr
+      ps = []
+      for s in ss:
+        ps.append(jnp.exp2(s - m_new))
+        l_rows = l_rows + ps[-1]
+      return m_new, l_rows, corr, ps
     m_new = m if "max" in ablate else jnp.maximum(m, rows_max(s_max))
     corr = jnp.exp2(m - m_new)
     l_rows = l_rows * bcol(corr, l_rows.shape)
@@ -978,6 +1221,22 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
         plgpu.wgmma_wait(inflight)
     return pl.run_state(pv)(plgpu.ACC.init(acc))
 
+  def value_mma_warps(vc, js, acc, ps, codes_loaded=None):
+    """warp_mma: ``acc [4 dp, npad] += v^T . p^T`` per warp over its own tokens (mma.sync);
+    the value words are loaded as the key words and transposed in registers."""
+    words = _transpose_words(plgpu.load(vc, (), layout=wl))               # [64, dp] u16
+    if codes_loaded is not None:
+      codes_loaded()
+    for n, j in enumerate(js):
+      if plan is not None and plan[j][0]:
+        words = _rotate_words(words, plan[j][0])
+      v16 = _dequant(words, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index_t(j),
+                     meta_key=v_meta_key_t, timing_form=v_form,
+                     pos=None if plan is None else plan[j][1], patch_ref=vout_smem,
+                     patch=value_patch_t(j) if omma else None)
+      acc = _warp_pv(acc, v16, ps[n])
+    return acc
+
   def body(idx, kc, ks, kz, ko, vc, vs, vz, vo, carry, hooks=None):
     """One tile. hooks (tiles fetched by hand in halves): ``keys_done()`` once the key buffers
     are read (the next tile's keys may come), ``values_ready()`` before the value buffers
@@ -1007,6 +1266,12 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
 
       with jax.named_scope("softmax"):     # a region in profile traces
         m, l_rows, corr, terms = softmax_update(ss, js, m, l_rows, vo)
+      if warp_mma:
+        with jax.named_scope("pv"):
+          acc = value_mma_warps(vc, js, _warp_scale(acc, corr), terms,
+                                hooks.values_done if early and last else None)
+        continue
+      with jax.named_scope("softmax"):
         acc = acc * bcol(corr, acc.shape)
         acc_vo = [a * bcol(corr, a.shape) for a in acc_vo]
         for term in terms:
@@ -1032,6 +1297,9 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
       plgpu.layout_cast(jnp.zeros((dp, npad), f32), wl),
       [zeros_sq() for _ in range(n_fma)],
   )
+  if warp_mma:             # per-warp running maxima [64, npad]; acc row 64 mi + 16 w + r: warp w's
+    init = (plgpu.layout_cast(jnp.full((SLOT, npad), NEG, f32), wl), zeros_sq(),   # channel 16 mi + r
+            plgpu.layout_cast(jnp.zeros((4 * dp, npad), f32), wl), [])
   if own is None:
     m, l_rows, acc, acc_vo = plgpu.emit_pipeline(
         body, grid=(bps,), in_specs=specs, max_concurrent_steps=stages, init_carry=init)(*srcs)
@@ -1072,11 +1340,20 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
     m, l_rows, acc, acc_vo = lax.fori_loop(0, bps, step, init)
 
   def store(o_smem, oo_smem, ml_smem):
-    o_smem[...] = acc
-    for o in range(n_fma):
-      oo_smem[o] = rows_sum(acc_vo[o])
-    ml_smem[0] = m
-    ml_smem[1] = rows_sum(l_rows)
+    if warp_mma:           # the four warps' partials, combined: rescaled to the common maximum, summed
+      m_all = rows_max(m)
+      scale = jnp.exp2(m - bcol(m_all, m.shape))
+      wred[...] = _warp_scale(acc, scale)
+      ml_smem[0] = m_all
+      ml_smem[1] = rows_sum(l_rows * scale)
+      plgpu.commit_smem()
+      _sum_warps(wred, o_smem)
+    else:
+      o_smem[...] = acc
+      for o in range(n_fma):
+        oo_smem[o] = rows_sum(acc_vo[o])
+      ml_smem[0] = m
+      ml_smem[1] = rows_sum(l_rows)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, sp])
     if n_fma:
@@ -1126,7 +1403,8 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                        interleave_meta=INTERLEAVE_META, warpgroups=1, split_fetch=SPLIT_FETCH,
                        staged_outliers=STAGED_OUTLIERS, in_place_codes=IN_PLACE_CODES,
                        loop_descriptors=LOOP_DESCRIPTORS, early_fetch=EARLY_FETCH, profile_dir="",
-                       ablate=frozenset(), heads_minor=False, raw_query=None, raw_scale=None):
+                       ablate=frozenset(), heads_minor=False, raw_query=None, raw_scale=None,
+                       warp_mma=WARP_MMA):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -1193,6 +1471,12 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
     raise ValueError(f"stages={stages} needs the whole-tile pipeline: split_fetch=False and "
                      f"warpgroups=1 (got split_fetch={split_fetch}, warpgroups={warpgroups}); "
                      "the hand-written fetch keeps one tile in flight")
+  wm = bool(warp_mma)
+  if wm and (wgs != 1 or not split_fetch or ilv or n_out and not (omma and staged_outliers)):
+    raise ValueError("warp_mma needs warpgroups=1, split_fetch, interleave_meta=False and the "
+                     f"outliers staged in the MMA (got warpgroups={warpgroups}, split_fetch="
+                     f"{split_fetch}, interleave_meta={interleave_meta}, outliers_in_mma={omma}, "
+                     f"staged_outliers={staged_outliers})")
   lead = () if wgs == 1 else (wgs,)                # several programs per CTA: one slice each
   smem = lambda shape, dtype, **kw: plgpu.SMEM(lead + tuple(shape), dtype, **kw)
   scratch = [
@@ -1231,6 +1515,8 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                 smem((dp, npad), f32), smem((nop, npad), f32), smem((2, npad), f32)]
     if wgs > 1:
       scratch.append(smem((256,), f32))                     # cross-warp reductions
+  if wm:
+    scratch.append(smem((4 * dp, npad), f32))               # the warps' partials, combined at the end
   if qprep is not None:
     scratch.append(smem((g, d), q_lo.dtype))                # the raw queries (last: one program per CTA)
   if wgs > 1:
@@ -1246,7 +1532,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
                         stages=stages, npad=npad, ilv=ilv, wgs=wgs, split=bool(split_fetch),
                         staged=staged, inplace=inplace, loop_desc=bool(loop_descriptors),
-                        early=bool(early_fetch), qprep=qprep, ablate=ablate),
+                        early=bool(early_fetch), qprep=qprep, ablate=ablate, warp_mma=wm),
       out_type=out_types, scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024, **prof), **grid,
   )
@@ -1265,14 +1551,15 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                                              "outliers_in_mma", "stages", "heads_pad",
                                              "interleave_meta", "warpgroups", "split_fetch",
                                              "staged_outliers", "in_place_codes", "loop_descriptors",
-                                             "early_fetch", "profile_dir", "ablate", "merge_kernel"))
+                                             "early_fetch", "profile_dir", "ablate", "merge_kernel",
+                                             "warp_mma"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
                           heads_pad=None, interleave_meta=INTERLEAVE_META, warpgroups=1,
                           split_fetch=SPLIT_FETCH, staged_outliers=STAGED_OUTLIERS,
                           in_place_codes=IN_PLACE_CODES, loop_descriptors=LOOP_DESCRIPTORS,
                           early_fetch=EARLY_FETCH, profile_dir="", ablate: frozenset = frozenset(),
-                          merge_kernel=True):
+                          merge_kernel=True, warp_mma=WARP_MMA):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first.
   ``merge_kernel``: sinks, window and the split merge in ``decode_merge_gpu``'s kernel
@@ -1283,7 +1570,7 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
               interleave_meta=interleave_meta, warpgroups=warpgroups, split_fetch=split_fetch,
               staged_outliers=staged_outliers, in_place_codes=in_place_codes,
               loop_descriptors=loop_descriptors, early_fetch=early_fetch, profile_dir=profile_dir,
-              ablate=ablate)
+              ablate=ablate, warp_mma=warp_mma)
   if merge_kernel and _split_in_mma(kv.layout, outliers_in_mma):
     # window, merge and channel order in one Triton kernel (as XLA ops: ~7 small kernels)
     # (the merge scales the raw query and writes q.dtype itself: two XLA kernels fewer)

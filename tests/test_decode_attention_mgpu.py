@@ -188,6 +188,8 @@ def test_is_hopper_is_false_on_cpu():
 @pytest.mark.parametrize("kw,match", [
     ({"stages": 2}, "split_fetch=False"),      # two tiles in flight need the whole-tile pipeline
     ({"warpgroups": 0}, "warpgroups"),         # programs per CTA must be >= 1
+    ({"warp_mma": True, "split_fetch": False}, "warp_mma needs"),   # tiles fetched by hand only
+    ({"warp_mma": True, "interleave_meta": True}, "warp_mma needs"),
 ])
 def test_bad_options_are_clear_errors(kw, match):
   cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=0.02)
@@ -304,3 +306,19 @@ def test_raw_query_of_the_wrong_shape_is_a_clear_error():
                                                     raw_scale=0.1)).trace(qg, bad, kv)
   with pytest.raises(ValueError, match="raw_scale"):
     jax.jit(lambda qg, kv: dm.quantized_partials(qg, kv, heads_minor=True, raw_query=qg)).trace(qg, kv)
+
+
+@pytest.mark.parametrize("heads,mmas", [(8, 128), (32, 256)])
+def test_warp_mma_multiplies_per_warp_without_wgmma(heads, mmas):
+  """warp_mma: a tile's scores and outputs are mma.sync (8 slots x 8 K-steps, 8 slots x 8
+  channel blocks, per 8 padded query heads) and no wgmma; the value words are transposed
+  in registers once per tile (32 blocks) and each slot's p once per 8 tokens (2 per 8 heads)."""
+  from experiments.mosaic_module import mosaic_module_text
+  cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=0.02, residual_window=32)
+  kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 2, 2, 128, 4096))
+  q = jax.ShapeDtypeStruct((2, heads, 128), jnp.bfloat16)
+  text = mosaic_module_text(
+      lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, warp_mma=True), q, kv)
+  assert text.count("mma.sync.aligned.m16n8k16") == mmas
+  assert "wgmma.mma_async" not in text
+  assert text.count("movmatrix.sync.aligned.m8n8.trans.b16") == 32 + 8 * 2 * (mmas // 128)
