@@ -404,17 +404,24 @@ def _as_i32(x):
   return mgpu_utils.bitcast(x, ir.IntegerType.get_signless(32))
 
 
+def _vec2(ty, elems):
+  """vector<2 x ty> from two scalars (insertions into undef, as Mosaic builds its vectors)."""
+  v = llvm.mlir_undef(ir.VectorType.get((2,), ty))
+  for e, x in enumerate(elems):
+    v = vector.insert(x, v, dynamic_position=[], static_position=[e])
+  return v
+
+
 def _mma16816(a, b, c):
   """One warp's ``d [16, 8] = a [16, 16] . b [16, 8] + c`` (fp16 in, f32 accumulate):
   a: four i32 (a0..a3 of the PTX fragment), b: two i32, c: two vector<2xf32> (rows g, g + 8)
   -> two vector<2xf32>."""
   f32 = ir.F32Type.get()
-  v2 = ir.VectorType.get((2,), f32)
   cs = [vector.extract(x, dynamic_position=[], static_position=[e]) for x in c for e in (0, 1)]
   res = llvm.inline_asm(llvm.StructType.get_literal([f32] * 4), list(a) + list(b) + cs, _MMA_ASM,
                         "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3")
   ds = [llvm.extractvalue(f32, res, [e]) for e in range(4)]
-  return vector.from_elements(v2, ds[:2]), vector.from_elements(v2, ds[2:])
+  return _vec2(f32, ds[:2]), _vec2(f32, ds[2:])
 
 
 def _movmatrix_t(x_i32):
@@ -439,7 +446,6 @@ def _warp_scores(k16, q_ref, *, npad):
   def fn(ctx, ka, qref):
     del ctx
     f32, f16 = ir.F32Type.get(), ir.F16Type.get()
-    v2 = ir.VectorType.get((2,), f32)
     f16x2 = ir.VectorType.get((2,), f16)
     tid = mgpu_utils.thread_idx()
     g = arith.andi(arith.shrui(tid, _i32(2)), _i32(7))
@@ -449,7 +455,7 @@ def _warp_scores(k16, q_ref, *, npad):
     out = np.empty(ka.registers.shape[:1] + (npad // 8,) + ka.registers.shape[2:], object)
     for ni in range(npad // 8):
       row = arith.addi(g, _i32(8 * ni))
-      accs = [[vector.from_elements(v2, [zero, zero])] * 2 for _ in range(2)]
+      accs = [[_vec2(f32, [zero, zero])] * 2 for _ in range(2)]
       for kk in range(dp // 16):
         a = [_as_i32(_regs_at(ka, 0, 2 * kk + hk, h)) for hk in (0, 1) for h in (0, 1)]
         b = []
