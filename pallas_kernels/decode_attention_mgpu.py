@@ -1488,7 +1488,8 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
   scratch = [
       smem((npad, dp), jnp.float16, transforms=_transforms(dp, 2)),
       smem((nop, npad), f32),
-      (smem((phase, npad, SLOT), jnp.float16, transforms=_transforms(SLOT, 2)) if _p_tokens_minor(npad)
+      (smem((2, 8), jnp.float16) if wm                 # unused: warp_mma keeps p in registers
+       else smem((phase, npad, SLOT), jnp.float16, transforms=_transforms(SLOT, 2)) if _p_tokens_minor(npad)
        else smem((phase, SLOT, npad), jnp.float16, transforms=_transforms(npad, 2))),
       _meta_scratch(lead + (kr, dp), ilv, len(lead)),                                  # key s2, z2
       _meta_scratch(lead + (lay.n_groups_tok, SLOT * lay.cpw // c, c), ilv, len(lead)),  # value s2, z2
