@@ -3,11 +3,11 @@
 The CPU test suite runs the kernel in interpret mode, where the dequantization is
 plain jnp; this script checks the inline-PTX path the GPU compiles.
 Usage (device machine): PYTHONPATH=. python3 experiments/check_decode_gpu.py [--quick] [--mosaic]
-[--no-inplace] [--interleave] [--loop-descriptors] [--no-early] [--warp-mma] [--bits=2,3] [--fracs=0.0,0.02]
+[--no-inplace] [--interleave] [--loop-descriptors] [--no-early] [--warp-mma] [--wgmma] [--bits=2,3] [--fracs=0.0,0.02]
 [--ratios=1,4,16] (outlier fractions; query heads per kv-head, default 4)
 (--mosaic: the Mosaic GPU kernel, on the layouts it supports; --no-inplace: in_place_codes=False;
 --interleave: interleave_meta=True; --loop-descriptors: loop_descriptors=True; --no-early:
-early_fetch=False; --warp-mma: warp_mma=True; options not given keep the module's defaults)
+early_fetch=False; --warp-mma: warp_mma=True; --wgmma: warp_mma=False; options not given keep the module's defaults)
 """
 import itertools
 import sys
@@ -53,7 +53,8 @@ def main():
       continue
     flags = {"--no-inplace": ("in_place_codes", False), "--interleave": ("interleave_meta", True),
              "--loop-descriptors": ("loop_descriptors", True),
-             "--no-early": ("early_fetch", False), "--warp-mma": ("warp_mma", True)}
+             "--no-early": ("early_fetch", False), "--warp-mma": ("warp_mma", True),
+             "--wgmma": ("warp_mma", False)}
     kw = dict(v for f, v in flags.items() if f in sys.argv)
     if backend == "mosaic" and kw:
       out = mgpu.decode_attention_mgpu(q, cache, sm_scale=d ** -0.5, **kw)

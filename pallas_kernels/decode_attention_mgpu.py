@@ -123,7 +123,9 @@ LOOP_DESCRIPTORS = True  # MMA descriptors formed in the loop, not held in regis
 _N_COMMON = 10           # scratch buffers every program has (before its _Own ones)
 SPLIT_FETCH = True       # tiles fetched by hand in key and value halves, each as soon as its
                          # buffers are free (H200: B=8 32k 0.199 -> 0.194 ms, B=1 128k 0.144 -> 0.140)
-WARP_MMA = False         # each warp its own 16 tokens per slot with mma.sync, own softmax state
+WARP_MMA = True          # each warp its own 16 tokens per slot with mma.sync, own softmax state,
+                         # where the options allow it (_warp_mma_applies); H100, B=8 32k, 2-bit +
+                         # 2 %: 0.096-0.097 vs 0.114-0.115 ms with wgmma; 1x128k 0.061 vs 0.069
 EARLY_FETCH = True       # split_fetch: a half's next tile is fetched as soon as its codes are in
                          # registers (its metadata and outliers already staged), not after its MMAs
                          # (H200, B=8 32k: 0.118-0.119 vs 0.119-0.120 ms; 1x128k 0.072 vs 0.073)
@@ -1398,6 +1400,14 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
   return num_splits, n_tiles // num_splits
 
 
+def _warp_mma_applies(wgs: int, split_fetch: bool, ilv: bool, n_out: int, omma: bool,
+                      staged_outliers: bool) -> bool:
+  """Whether ``warp_mma`` can run with these options: one program per CTA, tiles fetched by
+  hand, no interleaved metadata, and any outliers staged into the MMA's columns."""
+  return (wgs == 1 and bool(split_fetch) and not ilv
+          and (not n_out or bool(omma and staged_outliers)))
+
+
 def _split_in_mma(lay: kq.KVLayout, outliers_in_mma: bool) -> bool:
   """Whether the kernel's value output is the whole split form (outlier channels as MMA
   columns ``[d_low, d_low + n_out)``), or there are no outlier channels."""
@@ -1410,7 +1420,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                        staged_outliers=STAGED_OUTLIERS, in_place_codes=IN_PLACE_CODES,
                        loop_descriptors=LOOP_DESCRIPTORS, early_fetch=EARLY_FETCH, profile_dir="",
                        ablate=frozenset(), heads_minor=False, raw_query=None, raw_scale=None,
-                       warp_mma=WARP_MMA):
+                       warp_mma=None):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -1477,8 +1487,9 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
     raise ValueError(f"stages={stages} needs the whole-tile pipeline: split_fetch=False and "
                      f"warpgroups=1 (got split_fetch={split_fetch}, warpgroups={warpgroups}); "
                      "the hand-written fetch keeps one tile in flight")
-  wm = bool(warp_mma)
-  if wm and (wgs != 1 or not split_fetch or ilv or n_out and not (omma and staged_outliers)):
+  wm_ok = _warp_mma_applies(wgs, split_fetch, ilv, n_out, omma, staged_outliers)
+  wm = WARP_MMA and wm_ok if warp_mma is None else bool(warp_mma)
+  if wm and not wm_ok:
     raise ValueError("warp_mma needs warpgroups=1, split_fetch, interleave_meta=False and the "
                      f"outliers staged in the MMA (got warpgroups={warpgroups}, split_fetch="
                      f"{split_fetch}, interleave_meta={interleave_meta}, outliers_in_mma={omma}, "
@@ -1566,7 +1577,7 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
                           split_fetch=SPLIT_FETCH, staged_outliers=STAGED_OUTLIERS,
                           in_place_codes=IN_PLACE_CODES, loop_descriptors=LOOP_DESCRIPTORS,
                           early_fetch=EARLY_FETCH, profile_dir="", ablate: frozenset = frozenset(),
-                          merge_kernel=True, warp_mma=WARP_MMA):
+                          merge_kernel=True, warp_mma=None):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first.
   ``merge_kernel``: sinks, window and the split merge in ``decode_merge_gpu``'s kernel

@@ -217,14 +217,14 @@ def test_loop_descriptors_only_pass_descriptors_through_a_mov():
   import re
   mov = "mov.b64 $0, $1;"
   strip = lambda text: re.sub(r"%[\w]+", "", "\n".join(l for l in text.splitlines() if mov not in l))
-  plain = _mosaic_module_text(loop_descriptors=False)
-  moved = _mosaic_module_text()                                    # the default
+  plain = _mosaic_module_text(loop_descriptors=False, warp_mma=False)
+  moved = _mosaic_module_text(warp_mma=False)                      # the default (wgmma only)
   assert dm.LOOP_DESCRIPTORS and mov not in plain
   # per 8-slot tile: keys 8 slots x 2 K groups of 64 channels, values 8 slots x 2 row groups
   assert moved.count(mov) == 32
   assert strip(moved) == strip(plain)
   assert hasattr(dm.mgpu_wgmma.wgmma_m64, "moejax_original")      # installed, now a pass-through
-  assert _mosaic_module_text(loop_descriptors=False) == plain
+  assert _mosaic_module_text(loop_descriptors=False, warp_mma=False) == plain
 
 
 def test_loop_descriptors_stay_armed_for_their_kernel_context_only():
@@ -248,23 +248,41 @@ def test_loop_descriptors_stay_armed_for_their_kernel_context_only():
 
 
 def _copies_and_mmas(text):
-  """The module's TMA copies (T) and MMAs (W) in program order, runs counted: 'T9 W64 T4'."""
+  """The module's TMA copies (T) and MMAs (W: wgmma or mma.sync) in program order, runs
+  counted: 'T9 W64 T4'."""
   import itertools
+  mma = ("wgmma.mma_async", "mma.sync.aligned")
   seq = ["T" if "cp.async.bulk.tensor" in l else "W" for l in text.splitlines()
-         if "cp.async.bulk.tensor" in l or "wgmma.mma_async" in l]
+         if "cp.async.bulk.tensor" in l or any(m in l for m in mma)]
   return " ".join(f"{k}{len(list(g))}" for k, g in itertools.groupby(seq))
 
 
-def test_early_fetch_issues_each_half_before_its_mmas():
+@pytest.mark.parametrize("warp_mma", [False, True])
+def test_early_fetch_issues_each_half_before_its_mmas(warp_mma):
   """early_fetch: the next tile's key half (4 copies) is fetched before this tile's score
   MMAs and its value half before the output MMAs (the codes are in registers, metadata and
   outliers staged); without it, after them. Not where outliers are read raw (unstaged)."""
   # query, outlier query and the first tile's 8 copies; then per tile 8 slots x 8 K-steps
-  # of score MMAs and 8 slots x 2 x 4 of output MMAs
-  assert _copies_and_mmas(_mosaic_module_text(early_fetch=False)) == "T9 W64 T4 W64 T4"
-  assert _copies_and_mmas(_mosaic_module_text(early_fetch=True)) == "T13 W64 T4 W64"
-  assert (_mosaic_module_text(early_fetch=True, staged_outliers=False)
-          == _mosaic_module_text(early_fetch=False, staged_outliers=False))
+  # of score MMAs and 8 slots x 2 x 4 of output MMAs (wgmma), or 8 slots x 8 channel
+  # blocks (mma.sync, one warp's 16 tokens each)
+  kw = dict(warp_mma=warp_mma)
+  assert _copies_and_mmas(_mosaic_module_text(early_fetch=False, **kw)) == "T9 W64 T4 W64 T4"
+  assert _copies_and_mmas(_mosaic_module_text(early_fetch=True, **kw)) == "T13 W64 T4 W64"
+  assert (_mosaic_module_text(early_fetch=True, staged_outliers=False, warp_mma=False)
+          == _mosaic_module_text(early_fetch=False, staged_outliers=False, warp_mma=False))
+
+
+def test_warp_mma_is_the_default_where_the_options_allow_it():
+  """Default (warp_mma=None): mma.sync per warp; options warp_mma cannot run with
+  (interleaved metadata, unstaged outliers, the whole-tile pipeline) fall back to wgmma
+  instead of failing; warp_mma=True with them is an error (test_bad_options_...)."""
+  assert dm.WARP_MMA
+  default = _mosaic_module_text()
+  assert "mma.sync.aligned" in default and "wgmma.mma_async" not in default
+  assert default == _mosaic_module_text(warp_mma=True)
+  for kw in ({"interleave_meta": True}, {"staged_outliers": False}, {"split_fetch": False}):
+    text = _mosaic_module_text(**kw)
+    assert "wgmma.mma_async" in text and "mma.sync.aligned" not in text, kw
 
 
 def test_tile_zero_is_in_flight_while_the_query_arrives():
