@@ -303,6 +303,12 @@ def main():
       x = r.get(m)
       cells.append(f"{x['ms']:8.3f}ms {x['TBps']:5.2f}TB/s" if x else f"{'-':>20s}")
     log(f"{r['B']:>2} {r['T']:>7} | " + " | ".join(cells))
+  # the target (B=8, 32k): >= 60 % of the copy on bytes read, >= 6x bf16 XLA
+  for r in rows:
+    for m in ("ours_2b2", "mosaic_2b2"):
+      if m in r and "xla_bf16" in r:
+        log(f"B={r['B']} T={r['T']} {m}: {100 * r[m]['TBps'] / info['copy_TBps']:.0f} % of copy "
+            f"({info['copy_TBps']:.2f} TB/s), {r['xla_bf16']['ms'] / r[m]['ms']:.2f}x xla_bf16")
   log(f"total {time.time() - start:.0f}s")
 
 
