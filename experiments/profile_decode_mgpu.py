@@ -34,6 +34,11 @@ from pallas_kernels import reference
 from pallas_kernels.decode_attention import decode_attention
 
 
+def _warp_mma(flag: int):
+  """--warpmma value -> the kernel's warp_mma (None: its own choice)."""
+  return None if flag < 0 else bool(flag)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--b", type=int, default=8)
@@ -65,8 +70,9 @@ def main():
   ap.add_argument("--early", type=int, nargs="*", default=[int(dm.EARLY_FETCH)],
                   help="early_fetch values to try (1: a half's next tile fetched once its codes are "
                        "in registers, before its MMAs)")
-  ap.add_argument("--warpmma", type=int, nargs="*", default=[int(dm.WARP_MMA)],
-                  help="warp_mma values to try (1: each warp its own tokens with mma.sync)")
+  ap.add_argument("--warpmma", type=int, nargs="*", default=[-1],
+                  help="warp_mma values to try (1: each warp its own tokens with mma.sync, 0: "
+                       "wgmma, -1: the kernel's choice, warp_mma where the other options allow)")
   ap.add_argument("--outliers", type=float, default=0.02)
   ap.add_argument("--ptxas", default=None)
   ap.add_argument("--trace", default=None,
@@ -89,7 +95,7 @@ def main():
                                          stages=a.stages[0], interleave_meta=bool(il), warpgroups=wg,
                                          phase_slots=ph, split_fetch=bool(sf), staged_outliers=bool(so),
                                          in_place_codes=bool(ip), loop_descriptors=bool(ld),
-                                         early_fetch=bool(ef), warp_mma=bool(wm))
+                                         early_fetch=bool(ef), warp_mma=_warp_mma(wm))
         except Exception as e:            # errors may carry a whole module: keep both ends
           msg = str(e)
           print(f"check warpgroups={wg} phase={ph}: {type(e).__name__}: {msg[:300]} ... {msg[-300:]}",
@@ -119,7 +125,7 @@ def main():
                             interleave_meta=bool(il), warpgroups=wg, split_fetch=bool(sf),
                             staged_outliers=bool(so), in_place_codes=bool(ip),
                             loop_descriptors=bool(ld), early_fetch=bool(ef), ablate=ab,
-                            warp_mma=bool(wm)))
+                            warp_mma=_warp_mma(wm)))
             try:
               tm = timeit(f, sets)
             except Exception as e:        # e.g. a variant over the shared-memory limit
@@ -141,7 +147,7 @@ def main():
                                                       in_place_codes=bool(a.inplace[-1]),
                                                       loop_descriptors=bool(a.loopdesc[-1]),
                                                       early_fetch=bool(a.early[-1]),
-                                                      warp_mma=bool(a.warpmma[-1])))
+                                                      warp_mma=_warp_mma(a.warpmma[-1])))
     for _ in range(2):                # the second call's trace is read (the first one compiles)
       jax.block_until_ready(f(q, c))
     summarize_trace(max(glob.glob(f"{a.trace}/*trace.json"), key=os.path.getmtime))

@@ -218,7 +218,7 @@ def test_loop_descriptors_only_pass_descriptors_through_a_mov():
   mov = "mov.b64 $0, $1;"
   strip = lambda text: re.sub(r"%[\w]+", "", "\n".join(l for l in text.splitlines() if mov not in l))
   plain = _mosaic_module_text(loop_descriptors=False, warp_mma=False)
-  moved = _mosaic_module_text(warp_mma=False)                      # the default (wgmma only)
+  moved = _mosaic_module_text(warp_mma=False)          # loop_descriptors' default (wgmma path)
   assert dm.LOOP_DESCRIPTORS and mov not in plain
   # per 8-slot tile: keys 8 slots x 2 K groups of 64 channels, values 8 slots x 2 row groups
   assert moved.count(mov) == 32
