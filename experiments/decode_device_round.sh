@@ -10,7 +10,7 @@ BENCH_S=${1:-300}
 PROF_S=${2:-100}
 OUT=${OUT:-runs/decode_device_round}
 mkdir -p "$OUT"
-export PYTHONPATH=.
+export PYTHONPATH=. PYTHONUNBUFFERED=1   # a step killed at its limit keeps its log
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__)"
 
