@@ -189,7 +189,7 @@ def test_is_hopper_is_false_on_cpu():
     ({"stages": 2}, "split_fetch=False"),      # two tiles in flight need the whole-tile pipeline
     ({"warpgroups": 0}, "warpgroups"),         # programs per CTA must be >= 1
     ({"warp_mma": True, "split_fetch": False}, "warp_mma needs"),   # tiles fetched by hand only
-    ({"warp_mma": True, "interleave_meta": True}, "warp_mma needs"),
+    ({"warp_mma": True, "staged_outliers": False}, "warp_mma needs"),   # outliers in its columns
 ])
 def test_bad_options_are_clear_errors(kw, match):
   cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=0.02)
@@ -274,15 +274,33 @@ def test_early_fetch_issues_each_half_before_its_mmas(warp_mma):
 
 def test_warp_mma_is_the_default_where_the_options_allow_it():
   """Default (warp_mma=None): mma.sync per warp; options warp_mma cannot run with
-  (interleaved metadata, unstaged outliers, the whole-tile pipeline) fall back to wgmma
-  instead of failing; warp_mma=True with them is an error (test_bad_options_...)."""
+  (unstaged outliers, the whole-tile pipeline) fall back to wgmma instead of failing;
+  warp_mma=True with them is an error (test_bad_options_...)."""
   assert dm.WARP_MMA
   default = _mosaic_module_text()
   assert "mma.sync.aligned" in default and "wgmma.mma_async" not in default
   assert default == _mosaic_module_text(warp_mma=True)
-  for kw in ({"interleave_meta": True}, {"staged_outliers": False}, {"split_fetch": False}):
+  for kw in ({"staged_outliers": False}, {"split_fetch": False}):
     text = _mosaic_module_text(**kw)
     assert "wgmma.mma_async" in text and "mma.sync.aligned" not in text, kw
+
+
+def _shared_loads(text):
+  """Count of each vector type loaded by ``vector.load`` in a module's text."""
+  import collections
+  import re
+  return collections.Counter(re.findall(r"vector\.load .*, (vector<\w+>)$", text, re.M))
+
+
+def test_warp_mma_with_interleaved_meta_widens_the_key_metadata_loads_only():
+  """warp_mma + interleave_meta: a thread's key s2 and z2 of two register tiles come in one
+  128-bit load, 8 per slot instead of 32 32-bit ones (the module holds one tile's loop body:
+  8 slots, so 64 wide loads replace 256); the transposed values keep their 32-bit pairs."""
+  text = _mosaic_module_text(interleave_meta=True)
+  assert "mma.sync.aligned" in text and "wgmma.mma_async" not in text
+  default, wide = _shared_loads(_mosaic_module_text()), _shared_loads(text)
+  assert default["vector<4xi32>"] == 0 and wide["vector<4xi32>"] == 64
+  assert default["vector<2xf16>"] - wide["vector<2xf16>"] == 256
 
 
 def test_tile_zero_is_in_flight_while_the_query_arrives():
