@@ -51,7 +51,7 @@ padding on the token axis and the dequantized tiles never leave registers:
   by 16-bit stores, see ``_store_transposed``), whose A operand ``v^T`` is again
   dequantized in registers (loaded transposed, then moved to the MMA layout).
 * ``warp_mma=True`` (default where the options allow it: one program per CTA, ``split_fetch``,
-  outliers staged in the MMA; ``interleave_meta`` then widens the key metadata loads only)
+  outliers staged in the MMA; ``interleave_meta`` widens its metadata loads too)
   replaces the warpgroup MMAs by
   ``mma.sync`` per warp: the WGMMA register layout is four stacked m16n8 fragments, so each
   warp's dequantized key rows (16 tokens of every slot) are an A operand as they stand; each
@@ -305,9 +305,10 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
   gives ``[..., column // 16, quad]``: one 128-bit load brings s2 and z2 of register
   tiles ``k`` and ``k ^ 1``.
 
-  ``meta_key(mt, k, half)`` (optional; not with ``interleaved``): registers with equal keys share
-  one metadata pair, ``meta_index(mt, k, warp, quad, half)`` then gets the row half too
-  (``warp_mma``'s transposed values: the halves are different tokens).
+  ``meta_key(mt, k, half)`` (optional): registers with equal keys share one metadata pair,
+  ``meta_index(mt, k, warp, quad, half)`` then gets the row half too (``warp_mma``'s
+  transposed values: the halves are different tokens); with ``interleaved`` one 128-bit
+  load brings the pairs of both halves (words: s2 of half 0, 1, then z2 of half 0, 1).
 
   ``patch(mt, k, half, value_i32, patch_ref, row, quad)`` (optional) may replace the
   two fp16 values of a register (as an i32) by others read from ``patch_ref``; it
@@ -349,6 +350,11 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
       key = (mt, k) if meta_key is None else meta_key(mt, k, idx[4])
       if (raw or nometa) and key not in meta:
         meta[key] = [_i32(0x3C003C00), _i32(0)]
+      elif interleaved and meta_key is not None and key not in meta:   # both row halves at once
+        four = vector.load(ir.VectorType.get((4,), i32), mref,
+                           meta_index(mt, k, warp, quad, idx[4]) + [arith.constant(index, 0)])
+        for half in (0, 1):
+          meta[meta_key(mt, k, half)] = [vector.extract(four, [], [2 * a + half]) for a in (0, 1)]
       elif interleaved and key not in meta:      # one load for register tiles k and k ^ 1
         four = vector.load(ir.VectorType.get((4,), i32), mref,
                            meta_index(mt, k, warp, quad) + [arith.constant(index, 0)])
@@ -946,7 +952,6 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
   f32 = jnp.float32
   wl = plgpu.Layout.WGMMA
   n_fma = 0 if omma else n_out                      # outlier channels done as rank-1 updates
-  vilv = ilv and not warp_mma                       # warp_mma: interleaved key metadata only
   p_tokens_minor = _p_tokens_minor(npad)
   lo_col, hi_col = lay.d_low, lay.d_low + n_out     # with omma: their place in the MMA padding
   # the raw tile buffers are dead once the codes are in registers: metadata and outliers are
@@ -991,9 +996,8 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
   q_out = [_ld(qo_smem, (o,), COL) for o in range(n_fma)]              # [npad] f32 each
   if plan is not None and not ilv:     # read by other threads only after this barrier
     _fill_slot_multipliers(kmult_smem, unit=kmult_smem.shape[-1] * SLOT // G, exps=slot_exps)
-  if plan is not None and not vilv:
     _fill_slot_multipliers(vmult_smem, unit=SLOT, exps=slot_exps)
-  if qprep is not None or (plan is not None and not vilv):
+  if qprep is not None or (plan is not None and not ilv):
     plgpu.commit_smem()
 
   rows = plgpu.broadcasted_iota(jnp.int32, (SLOT, npad), 0, layout=wl)
@@ -1011,7 +1015,7 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
     # v^T: rows are channels (one G-channel group per warp), columns the slot's tokens
     # (interleaved: token pairs)
     t0 = j * SLOT
-    col = ((lambda k, quad: [_ix((t0 % C) // 16 + k // 2), quad]) if vilv
+    col = ((lambda k, quad: [_ix((t0 % C) // 16 + k // 2), quad]) if ilv
            else (lambda k, quad: [_affine(t0 % C + 8 * k, 2, quad)]))
     return lambda mt, k, warp, quad: [_affine(64 * mt, 16, warp, div=G, cap=ng - 1),
                                       _ix(t0 // C)] + col(k, quad)
@@ -1019,7 +1023,11 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
   def v_meta_index_t(j):
     # warp_mma's v^T: register (k, half) holds channel 8 k + g and the slot's tokens
     # 16 warp + 8 half + 2 quad (+ 1): one pair per (channel group, half)
+    # (interleaved: the warp's 16-token block, both halves)
     t0 = j * SLOT
+    if ilv:
+      return lambda mt, k, warp, quad, half: [
+          _ix(min(8 * k // G, ng - 1)), _ix(t0 // C), _affine((t0 % C) // 16, 1, warp), quad]
     return lambda mt, k, warp, quad, half: [
         _ix(min(8 * k // G, ng - 1)), _ix(t0 // C),
         arith.addi(_affine(t0 % C + 8 * half, 16, warp), arith.muli(_ix(2), quad))]
@@ -1128,8 +1136,8 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
       else:
         _stage_outliers(src, vout_smem, tokens_major=False)
     for src_s, src_z, dst in pairs:
-      is_key = dst is kmeta_smem
-      if (ilv if is_key else vilv):
+      if ilv:
+        is_key = dst is kmeta_smem
         _stage_wide(src_s, src_z, dst, exps=slot_exps or [bits],
                     unit=dp * SLOT // G if is_key else SLOT)
         continue
@@ -1231,7 +1239,7 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
       for n, j in enumerate(js):
         if plan is not None and plan[j][0]:
           words = _rotate_words(words, plan[j][0])
-        v16 = _dequant(words, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j), interleaved=vilv,
+        v16 = _dequant(words, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j), interleaved=ilv,
                        timing_form=v_form, pos=None if plan is None else plan[j][1],
                        patch_ref=vout_smem if staged else vo,
                        patch=value_patch(j) if omma else None)
@@ -1251,7 +1259,7 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
       if plan is not None and plan[j][0]:
         words = _rotate_words(words, plan[j][0])
       v16 = _dequant(words, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index_t(j),
-                     meta_key=v_meta_key_t, timing_form=v_form,
+                     meta_key=v_meta_key_t, interleaved=ilv, timing_form=v_form,
                      pos=None if plan is None else plan[j][1], patch_ref=vout_smem,
                      patch=value_patch_t(j) if omma else None)
       acc = _warp_pv(acc, v16, ps[n])
@@ -1415,8 +1423,7 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
 def _warp_mma_applies(wgs: int, split_fetch: bool, n_out: int, omma: bool,
                       staged_outliers: bool) -> bool:
   """Whether ``warp_mma`` can run with these options: one program per CTA, tiles fetched by
-  hand, and any outliers staged into the MMA's columns. (``interleave_meta`` then applies
-  to the keys only: the transposed values take one metadata pair per row half.)"""
+  hand, and any outliers staged into the MMA's columns."""
   return wgs == 1 and bool(split_fetch) and (not n_out or bool(omma and staged_outliers))
 
 
@@ -1505,7 +1512,6 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
     raise ValueError("warp_mma needs warpgroups=1, split_fetch and the outliers staged in the "
                      f"MMA (got warpgroups={warpgroups}, split_fetch={split_fetch}, "
                      f"outliers_in_mma={omma}, staged_outliers={staged_outliers})")
-  vilv = ilv and not wm            # warp_mma: interleaved metadata for the keys only
   lead = () if wgs == 1 else (wgs,)                # several programs per CTA: one slice each
   smem = lambda shape, dtype, **kw: plgpu.SMEM(lead + tuple(shape), dtype, **kw)
   scratch = [
@@ -1515,7 +1521,7 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
        else smem((phase, npad, SLOT), jnp.float16, transforms=_transforms(SLOT, 2)) if _p_tokens_minor(npad)
        else smem((phase, SLOT, npad), jnp.float16, transforms=_transforms(npad, 2))),
       _meta_scratch(lead + (kr, dp), ilv, len(lead)),                                  # key s2, z2
-      _meta_scratch(lead + (lay.n_groups_tok, SLOT * lay.cpw // c, c), vilv, len(lead)),  # value s2, z2
+      _meta_scratch(lead + (lay.n_groups_tok, SLOT * lay.cpw // c, c), ilv, len(lead)),  # value s2, z2
       plgpu.Barrier(num_barriers=wgs, num_arrivals=1 + (n_out > 0 and not omma)),
   ]
   staged = bool(omma and staged_outliers and wgs == 1)   # three programs per CTA: no room (11 KB each)
@@ -1528,10 +1534,10 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
     scratch += [smem((tile, k_hi - k_lo + k_hi % 2), jnp.float16), smem((n_out, tile // c, c), jnp.float16)]
   else:
     scratch += [smem((2, 8), jnp.float16), smem((2, 8), jnp.float16)]       # unused
-  # per-element slot multipliers of the staged scales (keys, values), where not interleaved
-  unused = smem((2, 8), jnp.float16)
-  scratch += [smem((kr, dp), kv.k_scale.dtype) if inplace and not ilv else unused,
-              smem((lay.n_groups_tok, tile // c, c), kv.v_scale.dtype) if inplace and not vilv else unused]
+  if inplace and not ilv:        # per-element slot multipliers of the staged scales (keys, values)
+    scratch += [smem((kr, dp), kv.k_scale.dtype), smem((lay.n_groups_tok, tile // c, c), kv.v_scale.dtype)]
+  else:
+    scratch += [smem((2, 8), jnp.float16), smem((2, 8), jnp.float16)]       # unused
   assert len(scratch) == _N_COMMON
   args = (kv.lengths.astype(jnp.int32), q_lo, q_out, idx_in, kv.k_codes, kv.k_scale, kv.k_zero, tm(ko),
           kv.v_codes, tm(kv.v_scale), tm(kv.v_zero), tm(vo))

@@ -292,15 +292,16 @@ def _shared_loads(text):
   return collections.Counter(re.findall(r"vector\.load .*, (vector<\w+>)$", text, re.M))
 
 
-def test_warp_mma_with_interleaved_meta_widens_the_key_metadata_loads_only():
+def test_warp_mma_with_interleaved_meta_widens_the_metadata_loads():
   """warp_mma + interleave_meta: a thread's key s2 and z2 of two register tiles come in one
-  128-bit load, 8 per slot instead of 32 32-bit ones (the module holds one tile's loop body:
-  8 slots, so 64 wide loads replace 256); the transposed values keep their 32-bit pairs."""
+  128-bit load (8 per slot instead of 32 32-bit loads), and a value group's pairs of both
+  row halves too (4 per slot instead of 16). The module holds one tile's loop body (8
+  slots): 64 + 32 wide loads replace 256 + 128."""
   text = _mosaic_module_text(interleave_meta=True)
   assert "mma.sync.aligned" in text and "wgmma.mma_async" not in text
   default, wide = _shared_loads(_mosaic_module_text()), _shared_loads(text)
-  assert default["vector<4xi32>"] == 0 and wide["vector<4xi32>"] == 64
-  assert default["vector<2xf16>"] - wide["vector<2xf16>"] == 256
+  assert default["vector<4xi32>"] == 0 and wide["vector<4xi32>"] == 64 + 32
+  assert default["vector<2xf16>"] - wide["vector<2xf16>"] == 256 + 128
 
 
 def test_tile_zero_is_in_flight_while_the_query_arrives():
