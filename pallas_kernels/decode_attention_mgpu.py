@@ -30,7 +30,9 @@ padding on the token axis and the dequantized tiles never leave registers:
   replaces four 32-bit ones. Off: alone it is slower (H200, B=8, 32k: 0.185 against 0.172
   ms; 128 B spilled, the four words stay live), and with ``loop_descriptors`` too (no
   spills, a third fewer static stalls, but 0.127 against 0.115 ms). (Its first form, one
-  64-bit load per pair, was no faster: 0.202 against 0.204 ms in an older kernel.)
+  64-bit load per pair, was no faster: 0.202 against 0.204 ms in an older kernel.) Under
+  ``warp_mma`` it also brings a value group's pairs of both row halves in one load: per
+  tile and thread 96 128-bit loads replace 384 32-bit ones (not yet timed on a GPU).
   ``in_place_codes=True`` (default) reads each slot where an in-place rotation of the
   words left it (``_read_plan``), two instructions per pair for most slots, with the
   slot's position folded into the staged scale (H200, B=8, 32k: 0.172 against 0.180 ms).
