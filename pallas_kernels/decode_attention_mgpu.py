@@ -53,9 +53,8 @@ padding on the token axis and the dequantized tiles never leave registers:
   by 16-bit stores, see ``_store_transposed``), whose A operand ``v^T`` is again
   dequantized in registers (loaded transposed, then moved to the MMA layout).
 * ``warp_mma=True`` (default where the options allow it: one program per CTA, ``split_fetch``,
-  outliers staged in the MMA; ``interleave_meta`` widens its metadata loads too)
-  replaces the warpgroup MMAs by
-  ``mma.sync`` per warp: the WGMMA register layout is four stacked m16n8 fragments, so each
+  outliers staged in the MMA; ``interleave_meta`` widens its metadata loads too) replaces
+  the warpgroup MMAs by ``mma.sync`` per warp: the WGMMA register layout is four stacked m16n8 fragments, so each
   warp's dequantized key rows (16 tokens of every slot) are an A operand as they stand; each
   warp keeps its own softmax state (no cross-warp max, no ``p`` in shared memory: ``p`` is
   turned into a B operand in registers by ``movmatrix``), value words are transposed per 8x8
@@ -352,21 +351,18 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
       key = (mt, k) if meta_key is None else meta_key(mt, k, idx[4])
       if (raw or nometa) and key not in meta:
         meta[key] = [_i32(0x3C003C00), _i32(0)]
-      elif interleaved and meta_key is not None and key not in meta:   # both row halves at once
-        four = vector.load(ir.VectorType.get((4,), i32), mref,
-                           meta_index(mt, k, warp, quad, idx[4]) + [arith.constant(index, 0)])
-        for half in (0, 1):
-          meta[meta_key(mt, k, half)] = [vector.extract(four, [], [2 * a + half]) for a in (0, 1)]
-      elif interleaved and key not in meta:      # one load for register tiles k and k ^ 1
-        four = vector.load(ir.VectorType.get((4,), i32), mref,
-                           meta_index(mt, k, warp, quad) + [arith.constant(index, 0)])
-        for kk in (k - k % 2, k - k % 2 + 1):
-          meta[mt, kk] = [vector.extract(four, [], [2 * a + kk % 2]) for a in (0, 1)]
       elif key not in meta:
         ii = (meta_index(mt, k, warp, quad) if meta_key is None
               else meta_index(mt, k, warp, quad, idx[4]))
-        meta[key] = [mgpu_utils.bitcast(vector.load(f16x2, mref, [arith.constant(index, a)] + ii), i32)
-                     for a in (0, 1)]
+        if interleaved:   # one 128-bit load: register tiles k and k ^ 1 (meta_key: both row halves)
+          four = vector.load(ir.VectorType.get((4,), i32), mref, ii + [arith.constant(index, 0)])
+          keys = ([(mt, k - k % 2), (mt, k - k % 2 + 1)] if meta_key is None
+                  else [meta_key(mt, k, half) for half in (0, 1)])
+          for n, kn in enumerate(keys):         # words: s2 of both, then z2 of both
+            meta[kn] = [vector.extract(four, [], [2 * a + n]) for a in (0, 1)]
+        else:
+          meta[key] = [mgpu_utils.bitcast(vector.load(f16x2, mref, [arith.constant(index, a)] + ii), i32)
+                       for a in (0, 1)]
       w32 = mgpu_utils.bitcast(regs[idx], i32)
       s2, z2 = meta[key]
       r = w32 if raw else llvm.inline_asm(i32, [w32, s2, z2], asm, "=r,r,r,r")

@@ -2,6 +2,9 @@
 the rest, and that it traces and lowers for CUDA (its numerics are checked on a GPU by
 experiments/check_decode_gpu.py --mosaic: the dequantization is inline PTX on MMA registers,
 which has no interpret mode)."""
+import collections
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -214,7 +217,6 @@ def test_loop_descriptors_only_pass_descriptors_through_a_mov():
   LLVM cannot hoist it out of the tile loop); nothing else in the module changes, and a
   kernel lowered afterwards without the option gets no movs (the wrapper is armed only for
   the MLIR context of the kernel that asked)."""
-  import re
   mov = "mov.b64 $0, $1;"
   strip = lambda text: re.sub(r"%[\w]+", "", "\n".join(l for l in text.splitlines() if mov not in l))
   plain = _mosaic_module_text(loop_descriptors=False, warp_mma=False)
@@ -287,8 +289,6 @@ def test_warp_mma_is_the_default_where_the_options_allow_it():
 
 def _shared_loads(text):
   """Count of each vector type loaded by ``vector.load`` in a module's text."""
-  import collections
-  import re
   return collections.Counter(re.findall(r"vector\.load .*, (vector<\w+>)$", text, re.M))
 
 
@@ -322,7 +322,6 @@ def test_default_call_is_two_kernels_and_nothing_else():
   in the kernel, so no XLA op around them launches a GPU kernel (each cost 1-2 us plus
   a gap on an H200: ~4 us of a 0.118 ms call at B=8, 32k)."""
   import collections
-  import re
   cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=0.02, residual_window=32)
   kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 2, 2, 128, 4096))
   q = jax.ShapeDtypeStruct((2, 8, 128), jnp.bfloat16)
