@@ -485,8 +485,8 @@ def decode_attention(q: jax.Array, kv: kq.QuantizedKV, *, sm_scale: float | None
       "triton": this module's kernel (every layout, any CUDA GPU, interpret mode).
       "mosaic": ``decode_attention_mgpu`` (Hopper only; num_warps, num_stages,
       slots_per_step and step_tokens do not apply). On an H200 with 2-bit + 2 %
-      outliers at B=8, 32k: mosaic 0.116 ms, triton 0.359 ms, bf16 XLA 0.298 ms
-      (docs/benchmarks.md, 2026-12-04, session 12).
+      outliers at B=8, 32k: mosaic 0.094 ms, triton 0.354 ms, bf16 XLA 0.314 ms
+      (docs/benchmarks.md, 2026-12-06, session 19).
       "tpu": ``decode_attention_tpu`` (block-spec Pallas TPU kernel; "auto" takes it
       on a TPU; with ``interpret=True`` it runs in Pallas' TPU interpret mode).
     interpret: ``None`` = compiled on GPU (dequantization in inline PTX),

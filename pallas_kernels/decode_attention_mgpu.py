@@ -118,8 +118,9 @@ NQ = 16                    # most query heads per kv-head (the MMAs' N: 8 up to 
 SLOT = kq.PACK_STRIDE      # 64 tokens per code slot = M of the key MMA
 MAX_OUTLIERS = 4
 _NOP = lambda n: 2 if n <= 2 else 4   # outlier rows of the small buffers (copies of >= 128 bytes)
-_TARGET_PROGRAMS = 512  # default splits: ~4 programs per SM (2 resident). H200, B=8, 32k
-                         # (2026-12-04, merge kernel after): 8 splits 0.125 ms, 16 0.130
+_TARGET_PROGRAMS = 256  # default splits: ~one wave (2 programs resident per SM, 132 SMs). H200,
+                         # warp_mma (2026-12-06): B=8 32k 4 splits 0.093-0.095 ms, 8 0.096-0.097;
+                         # B=1 128k 32 splits 0.053-0.054, 64 0.059; B=8 128k 4 / 8 0.334 / 0.336
 STAGES = 1               # TMA pipeline depth (tiles in flight per program; see below)
 PHASE_SLOTS = 8          # 64-token slots per softmax update, capped at cpw (H200, B=8, 32k, 2-bit:
                          # 8 -> 0.311 ms, 4 -> 0.320, 2 -> 0.338, 1 -> 0.419)
