@@ -73,6 +73,10 @@ def main():
   ap.add_argument("--warpmma", type=int, nargs="*", default=[-1],
                   help="warp_mma values to try (1: each warp its own tokens with mma.sync, 0: "
                        "wgmma, -1: the kernel's choice, warp_mma where the other options allow)")
+  ap.add_argument("--merged", type=int, nargs="*", default=[int(dm.MERGED_BARRIERS)],
+                  help="merged_barriers values to try (1: one barrier per half-tile under warp_mma)")
+  ap.add_argument("--explicit", type=int, nargs="*", default=[int(dm.EXPLICIT_BARRIERS)],
+                  help="explicit_barriers values to try (1: no barriers inserted by Pallas, warp_mma)")
   ap.add_argument("--outliers", type=float, default=0.02)
   ap.add_argument("--ptxas", default=None)
   ap.add_argument("--trace", default=None,
@@ -87,15 +91,16 @@ def main():
       cfg = kq.KVQuantConfig(bits=bits, outlier_fraction=a.outliers, residual_window=32, sink_tokens=4)
       cc = kq.quantize_kv(kc, vc, cfg, max_len=1024, lengths=jnp.array([1000, 517, 3]))
       ref = reference.quantized_decode_attention(qc, cc)
-      for om, il, wg, ph, sf, so, ip, ld, ef, wm in itertools.product(
+      for om, il, wg, ph, sf, so, ip, ld, ef, wm, mb, xb in itertools.product(
           a.omma, a.interleave, a.warpgroups, a.phase, a.split, a.staged, a.inplace, a.loopdesc,
-          a.early, a.warpmma):
+          a.early, a.warpmma, a.merged, a.explicit):
         try:
           out = dm.decode_attention_mgpu(qc, cc, sm_scale=D ** -0.5, outliers_in_mma=bool(om),
                                          stages=a.stages[0], interleave_meta=bool(il), warpgroups=wg,
                                          phase_slots=ph, split_fetch=bool(sf), staged_outliers=bool(so),
                                          in_place_codes=bool(ip), loop_descriptors=bool(ld),
-                                         early_fetch=bool(ef), warp_mma=_warp_mma(wm))
+                                         early_fetch=bool(ef), warp_mma=_warp_mma(wm),
+                                         merged_barriers=bool(mb), explicit_barriers=bool(xb))
         except Exception as e:            # errors may carry a whole module: keep both ends
           msg = str(e)
           print(f"check warpgroups={wg} phase={ph}: {type(e).__name__}: {msg[:300]} ... {msg[-300:]}",
@@ -104,7 +109,7 @@ def main():
         err = float(jnp.linalg.norm((out - ref).astype(jnp.float32))
                     / jnp.linalg.norm(ref.astype(jnp.float32)))
         print(f"check bits={bits} outliers_in_mma={om} ilv={il} warpgroups={wg} phase={ph} split={sf} "
-              f"staged={so} inplace={ip} loopdesc={ld} early={ef} warpmma={wm}: "
+              f"staged={so} inplace={ip} loopdesc={ld} early={ef} warpmma={wm} merged={mb} explicit={xb}: "
               f"rel err {err:.2e}", flush=True)
   k, v = make_kv(jax.random.key(0), a.b, a.t)
   q = jax.random.normal(jax.random.key(1), (a.b, HQ, D), jnp.bfloat16)
@@ -114,18 +119,19 @@ def main():
   for ns in a.splits:
     for ph in a.phase:
       for fl in a.inflight:
-        for om, st, hp, il, wg, sf, so, ip, ld, ef, wm, ab in itertools.product(
+        for om, st, hp, il, wg, sf, so, ip, ld, ef, wm, mb, xb, ab in itertools.product(
             a.omma, a.stages, a.heads_pad, a.interleave, a.warpgroups, a.split, a.staged, a.inplace,
-            a.loopdesc, a.early, a.warpmma, a.ablate):
+            a.loopdesc, a.early, a.warpmma, a.merged, a.explicit, a.ablate):
             ab = frozenset() if ab == "-" else frozenset(ab.split(","))
-            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om, st=st, hp=hp, il=il, wg=wg, sf=sf, so=so, ip=ip, ld=ld, ef=ef, wm=wm:
+            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om, st=st, hp=hp, il=il, wg=wg, sf=sf, so=so, ip=ip, ld=ld, ef=ef, wm=wm, mb=mb, xb=xb:
                         dm.decode_attention_mgpu(
                             q, c, sm_scale=D ** -0.5, num_splits=ns, phase_slots=ph, inflight=fl,
                             outliers_in_mma=bool(om), stages=st, heads_pad=hp or None,
                             interleave_meta=bool(il), warpgroups=wg, split_fetch=bool(sf),
                             staged_outliers=bool(so), in_place_codes=bool(ip),
                             loop_descriptors=bool(ld), early_fetch=bool(ef), ablate=ab,
-                            warp_mma=_warp_mma(wm)))
+                            warp_mma=_warp_mma(wm), merged_barriers=bool(mb),
+                            explicit_barriers=bool(xb)))
             try:
               tm = timeit(f, sets)
             except Exception as e:        # e.g. a variant over the shared-memory limit
@@ -136,7 +142,7 @@ def main():
               big_ref = reference.quantized_decode_attention(q, c) if big_ref is None else big_ref
               out = f(q, c).astype(jnp.float32)
               err = f" rel err {float(jnp.linalg.norm(out - big_ref) / jnp.linalg.norm(big_ref)):.2e}"
-            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} heads_pad={hp} ilv={il} wg={wg} split={sf} staged={so} inplace={ip} loopdesc={ld} early={ef} wm={wm} "
+            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} heads_pad={hp} ilv={il} wg={wg} split={sf} staged={so} inplace={ip} loopdesc={ld} early={ef} wm={wm} mb={mb} xb={xb} "
                   f"ablate={','.join(sorted(ab)) or '-':10s} {tm * 1e3:8.3f} ms "
                   f"{c.nbytes / tm / 1e12:5.2f} TB/s{err}", flush=True)
   if a.trace:

@@ -129,6 +129,11 @@ STAGED_OUTLIERS = True   # outliers_in_mma: each tile's outlier values staged on
 IN_PLACE_CODES = True    # read slots where the rotation left them (_read_plan): fewer rotations
                          # (H200, B=8 32k: 0.172 vs 0.180 ms; B=1 128k 0.130 vs 0.133; SASS 3,249 vs 3,501)
 INTERLEAVE_META = False  # s2/z2 of two register tiles in one 128-bit load (_stage_wide)
+MERGED_BARRIERS = False  # warp_mma, early fetches, one phase: one warpgroup barrier per half-tile
+                         # (codes loaded, metadata staged, next half fetched) instead of two
+EXPLICIT_BARRIERS = False  # warp_mma: Pallas inserts no barriers of its own around shared stores
+                         # and copies (unsafe_no_auto_barriers; ~20 per tile); the kernel's commits
+                         # order every shared write and reuse (see _program)
 LOOP_DESCRIPTORS = True  # MMA descriptors formed in the loop, not held in registers across it
                          # (_descriptors_in_loop; H200, B=8 32k: 0.163 / 0.158 vs 0.175 / 0.172 ms,
                          # 255 registers + 80 B spilled -> 235, none)
@@ -886,7 +891,8 @@ def _kernel(len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_
             lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
             ilv: bool = False, wgs: int = 1, split: bool = False, staged: bool = False,
             inplace: bool = False, loop_desc: bool = False, early: bool = False,
-            qprep: float | None = None, ablate: frozenset = frozenset(), warp_mma: bool = False):
+            qprep: float | None = None, ablate: frozenset = frozenset(), warp_mma: bool = False,
+            merged: bool = False):
   """One program: b, h and split from the grid (``wgs == 1``), or ``wgs`` programs per CTA,
   one per warpgroup, each with its own slice (``.at[wg]``) of every scratch buffer: the
   ``_N_COMMON`` every program has, then (``_Own``) its tile buffers, barriers and staging."""
@@ -906,7 +912,7 @@ def _kernel(len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_
              o_ref, oo_ref, m_ref, l_ref, *common, lay=lay, bps=bps, phase=phase, inflight=inflight,
              omma=omma, stages=stages, npad=npad, ilv=ilv, staged=staged, inplace=inplace,
              loop_desc=loop_desc, early=early, qprep=qprep, ablate=ablate, own=own,
-             warp_mma=warp_mma, wred=wred)
+             warp_mma=warp_mma, wred=wred, merged=merged)
     return
   wg = lax.axis_index("wg")
   prog = lax.axis_index("c") * wgs + wg
@@ -930,7 +936,7 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
              *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
              ilv: bool = False, staged: bool = False, inplace: bool = False, loop_desc: bool = False,
              early: bool = False, qprep: float | None = None, ablate: frozenset = frozenset(),
-             own: _Own | None = None, warp_mma: bool = False, wred=None):
+             own: _Own | None = None, warp_mma: bool = False, wred=None, merged: bool = False):
   """With ``own`` the tiles are fetched by hand, one tile in flight in two halves: the next
   tile's keys as soon as this tile's key buffers are read (after the score MMAs), its values
   after the output MMAs. ``early``: as soon as the last phase has loaded a half's code
@@ -939,7 +945,10 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
   ``qprep`` (the query scale): ``q_ref`` holds the raw queries ``[B, H, g, D]``, staged
   into the MMA operand here (``_stage_query``); else the operand itself. ``warp_mma``: each
   warp multiplies its own 16 tokens of every slot with mma.sync and keeps its own softmax
-  state, combined over the warps once at the end (``wred [4 D_pad, N]`` f32 scratch)."""
+  state, combined over the warps once at the end (``wred [4 D_pad, N]`` f32 scratch).
+  ``merged`` (warp_mma, early hand-fetched tiles, one phase per tile): each half's code words
+  are loaded and its metadata staged before a single barrier, after which the next tile's
+  half is fetched: two warpgroup barriers per tile instead of four."""
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
   dp, n_out, ng = lay.d_pad, lay.n_out, lay.n_groups_tok
@@ -956,6 +965,7 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
   # the raw tile buffers are dead once the codes are in registers: metadata and outliers are
   # read only from their staged copies
   early = bool(early and own is not None and staged and not n_fma)
+  merged = bool(merged and warp_mma and early and phase >= cpw)
   timing_form = next((f for f in ("noshift", "fp2", "raw", "nometa") if f in ablate), "")   # timing only
   k_form = "raw" if "rawk" in ablate else timing_form                    # raw codes for one side only
   v_form = "raw" if "rawv" in ablate else timing_form
@@ -1154,11 +1164,13 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
   def tok_idx(j):                                   # token-minor index of slot j's 64 tokens
     return (j * SLOT // C, pl.ds(j * SLOT % C, SLOT))
 
-  def key_scores(kc, ko, js, tbase, codes_loaded=None):
+  def key_scores(kc, ko, js, tbase, codes_loaded=None, kw=None):
     """Masked scores^T ``[64, npad]`` f32 of slots ``js`` (one per slot): the tile's key
-    code words are read once (``codes_loaded()`` runs right after), each slot dequantized
-    in registers and multiplied by the query, the MMAs issued back to back."""
-    kw = plgpu.load(kc, (), layout=wl)                                     # [64, dp] u16
+    code words are read once (``codes_loaded()`` runs right after; ``kw``: already read),
+    each slot dequantized in registers and multiplied by the query, the MMAs issued back
+    to back."""
+    if kw is None:
+      kw = plgpu.load(kc, (), layout=wl)                                   # [64, dp] u16
     if codes_loaded is not None:
       codes_loaded()
 
@@ -1248,10 +1260,12 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
         plgpu.wgmma_wait(inflight)
     return pl.run_state(pv)(plgpu.ACC.init(acc))
 
-  def value_mma_warps(vc, js, acc, ps, codes_loaded=None):
+  def value_mma_warps(vc, js, acc, ps, codes_loaded=None, words=None):
     """warp_mma: ``acc [4 dp, npad] += v^T . p^T`` per warp over its own tokens (mma.sync);
-    the value words are loaded as the key words and transposed in registers."""
-    words = _transpose_words(plgpu.load(vc, (), layout=wl))               # [64, dp] u16
+    the value words are loaded as the key words and transposed in registers (``words``:
+    already loaded)."""
+    if words is None:
+      words = value_words(vc)
     if codes_loaded is not None:
       codes_loaded()
     for n, j in enumerate(js):
@@ -1264,6 +1278,32 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
       acc = _warp_pv(acc, v16, ps[n])
     return acc
 
+  def value_words(vc):
+    return _transpose_words(plgpu.load(vc, (), layout=wl))                # [64, dp] u16
+
+  def merged_body(kc, ks, kz, ko, vc, vs, vz, vo, m, l_rows, acc, tbase, hooks):
+    """One tile with two barriers: per half, the code words go to registers and the
+    metadata is staged, then one barrier (stage_meta's closing commit), then the next
+    tile's half is fetched. The value barrier also ends every warp's key reads, and the
+    next tile's key barrier every warp's value reads, so staging may overwrite them."""
+    js = range(cpw)
+    with jax.named_scope("meta"):
+      kw = plgpu.load(kc, (), layout=wl)
+      stage_meta((ks, kz, kmeta_smem), outliers=((ko, True),), opening=False)
+      hooks.keys_done(commit=False)
+    with jax.named_scope("qk"):
+      ss = key_scores(kc, ko, js, tbase, kw=kw)
+    with jax.named_scope("softmax"):
+      m, l_rows, corr, ps = softmax_update(ss, js, m, l_rows, vo)
+    with jax.named_scope("vwait"):
+      hooks.values_ready()
+      vw = value_words(vc)
+      stage_meta((vs, vz, vmeta_smem), outliers=((vo, False),), opening=False)
+      hooks.values_done(commit=False)
+    with jax.named_scope("pv"):
+      acc = value_mma_warps(vc, js, _warp_scale(acc, corr), ps, words=vw)
+    return m, l_rows, acc
+
   def body(idx, kc, ks, kz, ko, vc, vs, vz, vo, carry, hooks=None):
     """One tile. hooks (tiles fetched by hand in halves): ``keys_done()`` once the key buffers
     are read (the next tile's keys may come), ``values_ready()`` before the value buffers
@@ -1271,6 +1311,8 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
     (i,) = idx
     m, l_rows, acc, acc_vo = carry
     tbase = (tile0 + i) * P
+    if merged:
+      return (*merged_body(kc, ks, kz, ko, vc, vs, vz, vo, m, l_rows, acc, tbase, hooks), acc_vo)
     with jax.named_scope("meta"):     # a region in profile traces
       if hooks is None:
         stage_meta((ks, kz, kmeta_smem), (vs, vz, vmeta_smem),
@@ -1333,8 +1375,9 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
   else:
     bufs, kbar, vbar = own.tiles, own.kbar, own.vbar
 
-    def fetch_next(i, half):
-      plgpu.commit_smem()                # every warp is done with these buffers
+    def fetch_next(i, half, commit=True):
+      if commit:                         # (else the caller's last commit_smem did it)
+        plgpu.commit_smem()              # every warp is done with these buffers
 
       @pl.when(i + 1 < bps)
       def _():
@@ -1344,14 +1387,14 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
       def __init__(self, i):
         self.i = i
 
-      def keys_done(self):
-        fetch_next(self.i, 0)
+      def keys_done(self, commit=True):
+        fetch_next(self.i, 0, commit)
 
       def values_ready(self):
         plgpu.barrier_wait(vbar)
 
-      def values_done(self):
-        fetch_next(self.i, 1)
+      def values_done(self, commit=True):
+        fetch_next(self.i, 1, commit)
 
     if "late_tile0" in ablate:         # timing only: tile 0 fetched after the prologue
       fetch(0, 0)
@@ -1438,7 +1481,8 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                        staged_outliers=STAGED_OUTLIERS, in_place_codes=IN_PLACE_CODES,
                        loop_descriptors=LOOP_DESCRIPTORS, early_fetch=EARLY_FETCH, profile_dir="",
                        ablate=frozenset(), heads_minor=False, raw_query=None, raw_scale=None,
-                       warp_mma=None):
+                       warp_mma=None, merged_barriers=MERGED_BARRIERS,
+                       explicit_barriers=EXPLICIT_BARRIERS):
   """Kernel partials over the quantized region.
 
   qg: ``[B, H, g, D]`` float32 queries, already scaled by ``sm_scale * log2(e)``.
@@ -1567,9 +1611,12 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
                         stages=stages, npad=npad, ilv=ilv, wgs=wgs, split=bool(split_fetch),
                         staged=staged, inplace=inplace, loop_desc=bool(loop_descriptors),
-                        early=bool(early_fetch), qprep=qprep, ablate=ablate, warp_mma=wm),
+                        early=bool(early_fetch), qprep=qprep, ablate=ablate, warp_mma=wm,
+                        merged=bool(merged_barriers)),
       out_type=out_types, scratch_types=scratch,
-      compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024, **prof), **grid,
+      compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=1024,
+                                           unsafe_no_auto_barriers=bool(wm and explicit_barriers),
+                                           **prof), **grid,
   )
   o_lo, o_out, m, l = kern(*args)
   if heads_minor:
@@ -1587,14 +1634,15 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
                                              "interleave_meta", "warpgroups", "split_fetch",
                                              "staged_outliers", "in_place_codes", "loop_descriptors",
                                              "early_fetch", "profile_dir", "ablate", "merge_kernel",
-                                             "warp_mma"))
+                                             "warp_mma", "merged_barriers", "explicit_barriers"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
                           heads_pad=None, interleave_meta=INTERLEAVE_META, warpgroups=1,
                           split_fetch=SPLIT_FETCH, staged_outliers=STAGED_OUTLIERS,
                           in_place_codes=IN_PLACE_CODES, loop_descriptors=LOOP_DESCRIPTORS,
                           early_fetch=EARLY_FETCH, profile_dir="", ablate: frozenset = frozenset(),
-                          merge_kernel=True, warp_mma=None):
+                          merge_kernel=True, warp_mma=None, merged_barriers=MERGED_BARRIERS,
+                          explicit_barriers=EXPLICIT_BARRIERS):
   """``[B, Hq, D]`` attention output; see the module docstring. Call through
   ``decode_attention(..., backend="mosaic")`` or check ``supports`` first.
   ``merge_kernel``: sinks, window and the split merge in ``decode_merge_gpu``'s kernel
@@ -1605,7 +1653,8 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
               interleave_meta=interleave_meta, warpgroups=warpgroups, split_fetch=split_fetch,
               staged_outliers=staged_outliers, in_place_codes=in_place_codes,
               loop_descriptors=loop_descriptors, early_fetch=early_fetch, profile_dir=profile_dir,
-              ablate=ablate, warp_mma=warp_mma)
+              ablate=ablate, warp_mma=warp_mma, merged_barriers=merged_barriers,
+              explicit_barriers=explicit_barriers)
   if merge_kernel and _split_in_mma(kv.layout, outliers_in_mma):
     # window, merge and channel order in one Triton kernel (as XLA ops: ~7 small kernels)
     # (the merge scales the raw query and writes q.dtype itself: two XLA kernels fewer)

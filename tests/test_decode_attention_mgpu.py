@@ -274,6 +274,50 @@ def test_early_fetch_issues_each_half_before_its_mmas(warp_mma):
           == _mosaic_module_text(early_fetch=False, staged_outliers=False, warp_mma=False))
 
 
+def _barriers_and_copies(text):
+  """The module's warpgroup barriers (B), TMA copies (T) and MMAs (W) in program order,
+  runs counted."""
+  import itertools
+  seq = []
+  for l in text.splitlines():
+    if "bar.sync" in l:
+      seq.append("B")
+    elif "cp.async.bulk.tensor" in l:
+      seq.append("T")
+    elif "mma.sync.aligned" in l or "wgmma.mma_async" in l:
+      seq.append("W")
+  return " ".join(f"{k}{len(list(g))}" for k, g in itertools.groupby(seq))
+
+
+def test_explicit_barriers_leave_only_the_kernels_own_commits():
+  """explicit_barriers (warp_mma): Pallas inserts no barrier before each copy and around
+  each shared-memory store; what is left are the kernel's commits: the prologue's, per tile
+  the key metadata's and the key codes' (then the next key half is fetched), the value
+  metadata's and the value codes' (then the value half), and the output's. With wgmma the
+  option does nothing."""
+  plain = _mosaic_module_text()
+  explicit = _mosaic_module_text(explicit_barriers=True)
+  assert _barriers_and_copies(explicit) == "T9 B3 T4 W64 B2 T4 W64 B7"
+  assert plain.count("bar.sync") > 3 * explicit.count("bar.sync")
+  assert _copies_and_mmas(explicit) == _copies_and_mmas(plain)
+  assert (_mosaic_module_text(explicit_barriers=True, warp_mma=False)
+          == _mosaic_module_text(warp_mma=False))
+
+
+def test_merged_barriers_halve_the_barriers_of_a_tile():
+  """merged_barriers (warp_mma, early fetches): per tile, one warpgroup barrier before the
+  next key half is fetched and one before the next value half, instead of two each (the
+  metadata's own commit and the fetch's); the MMAs and copies keep their order. Options
+  it cannot apply to (wgmma, late fetches) leave the module unchanged."""
+  plain, merged = _mosaic_module_text(), _mosaic_module_text(merged_barriers=True)
+  assert merged.count("bar.sync") == plain.count("bar.sync") - 2
+  assert (_barriers_and_copies(_mosaic_module_text(merged_barriers=True, explicit_barriers=True))
+          == "T9 B2 T4 W64 B1 T4 W64 B7")
+  assert _copies_and_mmas(merged) == _copies_and_mmas(plain) == "T13 W64 T4 W64"
+  for kw in ({"warp_mma": False}, {"early_fetch": False}):
+    assert _mosaic_module_text(merged_barriers=True, **kw) == _mosaic_module_text(**kw), kw
+
+
 def test_warp_mma_is_the_default_where_the_options_allow_it():
   """Default (warp_mma=None): mma.sync per warp; options warp_mma cannot run with
   (unstaged outliers, the whole-tile pipeline) fall back to wgmma instead of failing;
