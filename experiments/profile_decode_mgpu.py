@@ -91,9 +91,9 @@ def main():
       cfg = kq.KVQuantConfig(bits=bits, outlier_fraction=a.outliers, residual_window=32, sink_tokens=4)
       cc = kq.quantize_kv(kc, vc, cfg, max_len=1024, lengths=jnp.array([1000, 517, 3]))
       ref = reference.quantized_decode_attention(qc, cc)
-      for om, il, wg, ph, sf, so, ip, ld, ef, wm, mb, xb in itertools.product(
+      for om, il, wg, ph, sf, so, ip, ld, ef, wm, mb, xb in dict.fromkeys(itertools.product(   # once each
           a.omma, a.interleave, a.warpgroups, a.phase, a.split, a.staged, a.inplace, a.loopdesc,
-          a.early, a.warpmma, a.merged, a.explicit):
+          a.early, a.warpmma, a.merged, a.explicit)):
         try:
           out = dm.decode_attention_mgpu(qc, cc, sm_scale=D ** -0.5, outliers_in_mma=bool(om),
                                          stages=a.stages[0], interleave_meta=bool(il), warpgroups=wg,

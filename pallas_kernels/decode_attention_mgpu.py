@@ -61,6 +61,11 @@ padding on the token axis and the dequantized tiles never leave registers:
   block in registers, and the four warps' partial outputs are combined once at the end. No
   MMA descriptors and no warpgroup coupling inside a phase (H100, B=8, 32k, 2-bit + 2 %:
   0.096 against 0.114 ms with ``wgmma``; B=1, 128k: 0.061 against 0.069).
+* ``explicit_barriers=True`` (``warp_mma`` only; not yet timed, off) compiles without
+  Pallas' automatic barriers (a warpgroup barrier before every copy and around every
+  shared-memory store, ~20 per tile): the kernel's own commits order every shared write
+  and buffer reuse. ``merged_barriers=True`` (same state) stages a half's metadata after
+  its code words are in registers, so one commit per half-tile does both: two per tile.
 * Outlier channels (at most four) take the MMA's padding columns
   (``outliers_in_mma=True``, the default; needs ``d_low + n_out <= D_pad``): their
   16-bit values (as fp16) replace the dequantized registers of those key columns and
