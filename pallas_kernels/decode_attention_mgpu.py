@@ -953,7 +953,14 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
   state, combined over the warps once at the end (``wred [4 D_pad, N]`` f32 scratch).
   ``merged`` (warp_mma, early hand-fetched tiles, one phase per tile): each half's code words
   are loaded and its metadata staged before a single barrier, after which the next tile's
-  half is fetched: two warpgroup barriers per tile instead of four."""
+  half is fetched: two warpgroup barriers per tile instead of four.
+  Without Pallas' automatic barriers (``explicit_barriers``) the commits below are the
+  only ones, and they suffice: staged metadata and outliers are written before a commit
+  and read after it; a raw tile buffer is read (codes, metadata to stage) before the commit
+  that precedes the next copy into it, by which every thread has also waited for its
+  mbarrier; a half's staged metadata is rewritten only after a commit of the other half
+  that every warp reaches after its last read of it; the query and slot multipliers are
+  committed once before the loop, the output partials before they are summed and copied."""
   cfg = lay.config
   bits, cpw, G = cfg.bits, lay.cpw, cfg.group_size
   dp, n_out, ng = lay.d_pad, lay.n_out, lay.n_groups_tok
