@@ -105,6 +105,25 @@ def test_lowers_for_cuda_interleaved_meta(bits, meta, inplace, wgs):
   assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("bits,frac,meta,inplace,ilv,heads", [
+    (2, 0.02, "float8_e4m3fn", True, False, 8), (3, 0.03, "float8_e4m3fn", True, False, 4),
+    (4, 0.0, "bfloat16", False, False, 16), (8, 0.02, "float16", True, True, 8),
+    (2, 0.03, "float8_e4m3fn", False, True, 12)])
+def test_lowers_for_cuda_explicit_and_merged_barriers(bits, frac, meta, inplace, ilv, heads):
+  """explicit_barriers + merged_barriers on every bit width, metadata dtype, with and
+  without outliers, in-place codes, interleaved metadata and 4-16 query heads per kv-head:
+  the kernel's own commits are then its only barriers (two per tile)."""
+  cfg = kq.KVQuantConfig(bits=bits, group_size=32, outlier_fraction=frac, residual_window=32,
+                         meta_dtype=meta)
+  kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 1, 2, 128, 4096))
+  q = jax.ShapeDtypeStruct((1, 2 * heads, 128), jnp.bfloat16)
+  fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, in_place_codes=inplace,
+                                              interleave_meta=ilv, explicit_barriers=True,
+                                              merged_barriers=True)
+  text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
 @pytest.mark.parametrize("bits,phase", [(2, 8), (2, 4), (2, 3), (3, 5), (3, 2), (4, 4), (4, 1), (8, 2)])
 def test_read_plan_places_every_slot_inside_the_mantissa(bits, phase):
   """in_place_codes: after the plan's rotations (cumulative within a phase, reset when a
