@@ -3,6 +3,7 @@ the rest, and that it traces and lowers for CUDA (its numerics are checked on a 
 experiments/check_decode_gpu.py --mosaic: the dequantization is inline PTX on MMA registers,
 which has no interpret mode)."""
 import collections
+import itertools
 import re
 
 import jax
@@ -268,14 +269,23 @@ def test_loop_descriptors_stay_armed_for_their_kernel_context_only():
     assert not dm._descriptors_armed()
 
 
-def _copies_and_mmas(text):
-  """The module's TMA copies (T) and MMAs (W: wgmma or mma.sync) in program order, runs
-  counted: 'T9 W64 T4'."""
-  import itertools
-  mma = ("wgmma.mma_async", "mma.sync.aligned")
-  seq = ["T" if "cp.async.bulk.tensor" in l else "W" for l in text.splitlines()
-         if "cp.async.bulk.tensor" in l or any(m in l for m in mma)]
+_COPY, _MMAS, _BARRIER = {"cp.async.bulk.tensor": "T"}, {"wgmma.mma_async": "W", "mma.sync.aligned": "W"}, \
+    {"bar.sync": "B"}
+
+
+def _op_runs(text, *markers):
+  """The module's lines holding any of ``markers`` ({substring: letter} dicts) as letters in
+  program order, runs counted: 'T9 W64 T4'."""
+  kinds = {m: k for d in markers for m, k in d.items()}
+  seq = [next(k for m, k in kinds.items() if m in l) for l in text.splitlines()
+         if any(m in l for m in kinds)]
   return " ".join(f"{k}{len(list(g))}" for k, g in itertools.groupby(seq))
+
+
+def _copies_and_mmas(text, barriers=False):
+  """TMA copies (T), MMAs (W: wgmma or mma.sync) and, with ``barriers``, warpgroup
+  barriers (B) in program order."""
+  return _op_runs(text, _COPY, _MMAS, _BARRIER if barriers else {})
 
 
 @pytest.mark.parametrize("warp_mma", [False, True])
@@ -293,21 +303,6 @@ def test_early_fetch_issues_each_half_before_its_mmas(warp_mma):
           == _mosaic_module_text(early_fetch=False, staged_outliers=False, warp_mma=False))
 
 
-def _barriers_and_copies(text):
-  """The module's warpgroup barriers (B), TMA copies (T) and MMAs (W) in program order,
-  runs counted."""
-  import itertools
-  seq = []
-  for l in text.splitlines():
-    if "bar.sync" in l:
-      seq.append("B")
-    elif "cp.async.bulk.tensor" in l:
-      seq.append("T")
-    elif "mma.sync.aligned" in l or "wgmma.mma_async" in l:
-      seq.append("W")
-  return " ".join(f"{k}{len(list(g))}" for k, g in itertools.groupby(seq))
-
-
 def test_explicit_barriers_leave_only_the_kernels_own_commits():
   """explicit_barriers (warp_mma): Pallas inserts no barrier before each copy and around
   each shared-memory store; what is left are the kernel's commits: the prologue's, per tile
@@ -316,7 +311,7 @@ def test_explicit_barriers_leave_only_the_kernels_own_commits():
   option does nothing."""
   plain = _mosaic_module_text()
   explicit = _mosaic_module_text(explicit_barriers=True)
-  assert _barriers_and_copies(explicit) == "T9 B3 T4 W64 B2 T4 W64 B7"
+  assert _copies_and_mmas(explicit, barriers=True) == "T9 B3 T4 W64 B2 T4 W64 B7"
   assert plain.count("bar.sync") > 3 * explicit.count("bar.sync")
   assert _copies_and_mmas(explicit) == _copies_and_mmas(plain)
   assert (_mosaic_module_text(explicit_barriers=True, warp_mma=False)
@@ -330,7 +325,7 @@ def test_merged_barriers_halve_the_barriers_of_a_tile():
   it cannot apply to (wgmma, late fetches) leave the module unchanged."""
   plain, merged = _mosaic_module_text(), _mosaic_module_text(merged_barriers=True)
   assert merged.count("bar.sync") == plain.count("bar.sync") - 2
-  assert (_barriers_and_copies(_mosaic_module_text(merged_barriers=True, explicit_barriers=True))
+  assert (_copies_and_mmas(_mosaic_module_text(merged_barriers=True, explicit_barriers=True), barriers=True)
           == "T9 B2 T4 W64 B1 T4 W64 B7")
   assert _copies_and_mmas(merged) == _copies_and_mmas(plain) == "T13 W64 T4 W64"
   for kw in ({"warp_mma": False}, {"early_fetch": False}):
@@ -370,11 +365,7 @@ def test_warp_mma_with_interleaved_meta_widens_the_metadata_loads():
 def test_tile_zero_is_in_flight_while_the_query_arrives():
   """split_fetch: the first tile's 8 copies are issued right after the query's, before the
   program waits for the query (the ablation late_tile0, timing only: after it)."""
-  import itertools
-  def copies_and_waits(text):
-    seq = ["T" if "cp.async.bulk.tensor" in l else "w" for l in text.splitlines()
-           if "cp.async.bulk.tensor" in l or "mbarrier.try_wait" in l]
-    return " ".join(f"{k}{len(list(g))}" for k, g in itertools.groupby(seq))
+  copies_and_waits = lambda text: _op_runs(text, _COPY, {"mbarrier.try_wait": "w"})
   assert copies_and_waits(_mosaic_module_text()).startswith("T9 w2 ")
   assert copies_and_waits(_mosaic_module_text(ablate=frozenset({"late_tile0"}))).startswith("T1 w1 T8 w1 ")
 
@@ -384,7 +375,6 @@ def test_default_call_is_two_kernels_and_nothing_else():
   query operand (scale, channel order, padding) and the quantized token count are built
   in the kernel, so no XLA op around them launches a GPU kernel (each cost 1-2 us plus
   a gap on an H200: ~4 us of a 0.118 ms call at B=8, 32k)."""
-  import collections
   cfg = kq.KVQuantConfig(bits=2, group_size=32, outlier_fraction=0.02, residual_window=32)
   kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 2, 2, 128, 4096))
   q = jax.ShapeDtypeStruct((2, 8, 128), jnp.bfloat16)
