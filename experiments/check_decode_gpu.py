@@ -3,10 +3,10 @@
 The CPU test suite runs the kernel in interpret mode, where the dequantization is
 plain jnp; this script checks the inline-PTX path the GPU compiles.
 Usage (device machine): PYTHONPATH=. python3 experiments/check_decode_gpu.py [--quick] [--mosaic]
-[--no-inplace] [--interleave] [--loop-descriptors] [--no-early] [--warp-mma] [--wgmma] [--bits=2,3] [--fracs=0.0,0.02]
+[--no-inplace] [--explicit-barriers] [--merged-barriers] [--loop-descriptors] [--no-early] [--warp-mma] [--wgmma] [--bits=2,3] [--fracs=0.0,0.02]
 [--ratios=1,4,16] (outlier fractions; query heads per kv-head, default 4)
 (--mosaic: the Mosaic GPU kernel, on the layouts it supports; --no-inplace: in_place_codes=False;
---interleave: interleave_meta=True; --loop-descriptors: loop_descriptors=True; --no-early:
+--explicit-barriers, --merged-barriers: those options True; --loop-descriptors: loop_descriptors=True; --no-early:
 early_fetch=False; --warp-mma: warp_mma=True; --wgmma: warp_mma=False; options not given keep the module's defaults)
 """
 import itertools
@@ -51,7 +51,8 @@ def main():
                            max_len=1024, lengths=lengths)
     if backend == "mosaic" and not mgpu.supports(cache.layout, ratio):
       continue
-    flags = {"--no-inplace": ("in_place_codes", False), "--interleave": ("interleave_meta", True),
+    flags = {"--no-inplace": ("in_place_codes", False), "--explicit-barriers": ("explicit_barriers", True),
+             "--merged-barriers": ("merged_barriers", True),
              "--loop-descriptors": ("loop_descriptors", True),
              "--no-early": ("early_fetch", False), "--warp-mma": ("warp_mma", True),
              "--wgmma": ("warp_mma", False)}

@@ -48,14 +48,10 @@ def main():
   ap.add_argument("--ablate", nargs="*", default=["-"])
   ap.add_argument("--inflight", type=int, nargs="*", default=[1])
   ap.add_argument("--stages", type=int, nargs="*", default=[dm.STAGES], help="TMA pipeline depths to try")
-  ap.add_argument("--interleave", type=int, nargs="*", default=[int(dm.INTERLEAVE_META)],
-                  help="interleave_meta values to try (1: s2/z2 of two register tiles in one 128-bit load)")
   ap.add_argument("--heads-pad", type=int, nargs="*", default=[0],
                   help="MMA N (query heads padded) to try; 0 = the kernel's choice")
   ap.add_argument("--omma", type=int, nargs="*", default=[1],
                   help="outliers_in_mma values to try (0: rank-1 updates, 1: MMA padding columns)")
-  ap.add_argument("--warpgroups", type=int, nargs="*", default=[1],
-                  help="programs per CTA to try (one warpgroup each; 3 caps registers at 168)")
   ap.add_argument("--split", type=int, nargs="*", default=[int(dm.SPLIT_FETCH)],
                   help="split_fetch values to try (1: next tile's keys and values fetched by hand, "
                        "each half as soon as its buffers are free)")
@@ -91,24 +87,24 @@ def main():
       cfg = kq.KVQuantConfig(bits=bits, outlier_fraction=a.outliers, residual_window=32, sink_tokens=4)
       cc = kq.quantize_kv(kc, vc, cfg, max_len=1024, lengths=jnp.array([1000, 517, 3]))
       ref = reference.quantized_decode_attention(qc, cc)
-      for om, il, wg, ph, sf, so, ip, ld, ef, wm, mb, xb in dict.fromkeys(itertools.product(   # once each
-          a.omma, a.interleave, a.warpgroups, a.phase, a.split, a.staged, a.inplace, a.loopdesc,
+      for om, ph, sf, so, ip, ld, ef, wm, mb, xb in dict.fromkeys(itertools.product(   # once each
+          a.omma, a.phase, a.split, a.staged, a.inplace, a.loopdesc,
           a.early, a.warpmma, a.merged, a.explicit)):
         try:
           out = dm.decode_attention_mgpu(qc, cc, sm_scale=D ** -0.5, outliers_in_mma=bool(om),
-                                         stages=a.stages[0], interleave_meta=bool(il), warpgroups=wg,
+                                         stages=a.stages[0],
                                          phase_slots=ph, split_fetch=bool(sf), staged_outliers=bool(so),
                                          in_place_codes=bool(ip), loop_descriptors=bool(ld),
                                          early_fetch=bool(ef), warp_mma=_warp_mma(wm),
                                          merged_barriers=bool(mb), explicit_barriers=bool(xb))
         except Exception as e:            # errors may carry a whole module: keep both ends
           msg = str(e)
-          print(f"check warpgroups={wg} phase={ph}: {type(e).__name__}: {msg[:300]} ... {msg[-300:]}",
+          print(f"check phase={ph}: {type(e).__name__}: {msg[:300]} ... {msg[-300:]}",
                 flush=True)
           continue
         err = float(jnp.linalg.norm((out - ref).astype(jnp.float32))
                     / jnp.linalg.norm(ref.astype(jnp.float32)))
-        print(f"check bits={bits} outliers_in_mma={om} ilv={il} warpgroups={wg} phase={ph} split={sf} "
+        print(f"check bits={bits} outliers_in_mma={om} phase={ph} split={sf} "
               f"staged={so} inplace={ip} loopdesc={ld} early={ef} warpmma={wm} merged={mb} explicit={xb}: "
               f"rel err {err:.2e}", flush=True)
   k, v = make_kv(jax.random.key(0), a.b, a.t)
@@ -119,15 +115,15 @@ def main():
   for ns in a.splits:
     for ph in a.phase:
       for fl in a.inflight:
-        for om, st, hp, il, wg, sf, so, ip, ld, ef, wm, mb, xb, ab in itertools.product(
-            a.omma, a.stages, a.heads_pad, a.interleave, a.warpgroups, a.split, a.staged, a.inplace,
+        for om, st, hp, sf, so, ip, ld, ef, wm, mb, xb, ab in itertools.product(
+            a.omma, a.stages, a.heads_pad, a.split, a.staged, a.inplace,
             a.loopdesc, a.early, a.warpmma, a.merged, a.explicit, a.ablate):
             ab = frozenset() if ab == "-" else frozenset(ab.split(","))
-            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om, st=st, hp=hp, il=il, wg=wg, sf=sf, so=so, ip=ip, ld=ld, ef=ef, wm=wm, mb=mb, xb=xb:
+            f = jax.jit(lambda q, c, ab=ab, ns=ns, ph=ph, fl=fl, om=om, st=st, hp=hp, sf=sf, so=so, ip=ip, ld=ld, ef=ef, wm=wm, mb=mb, xb=xb:
                         dm.decode_attention_mgpu(
                             q, c, sm_scale=D ** -0.5, num_splits=ns, phase_slots=ph, inflight=fl,
                             outliers_in_mma=bool(om), stages=st, heads_pad=hp or None,
-                            interleave_meta=bool(il), warpgroups=wg, split_fetch=bool(sf),
+                            split_fetch=bool(sf),
                             staged_outliers=bool(so), in_place_codes=bool(ip),
                             loop_descriptors=bool(ld), early_fetch=bool(ef), ablate=ab,
                             warp_mma=_warp_mma(wm), merged_barriers=bool(mb),
@@ -135,14 +131,14 @@ def main():
             try:
               tm = timeit(f, sets)
             except Exception as e:        # e.g. a variant over the shared-memory limit
-              print(f"phase={ph} wg={wg} stages={st}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+              print(f"phase={ph} stages={st}: {type(e).__name__}: {str(e)[:200]}", flush=True)
               continue
             err = ""
-            if a.check and not ab:           # this size too (e.g. idle warpgroups in the last CTA)
+            if a.check and not ab:           # this size too
               big_ref = reference.quantized_decode_attention(q, c) if big_ref is None else big_ref
               out = f(q, c).astype(jnp.float32)
               err = f" rel err {float(jnp.linalg.norm(out - big_ref) / jnp.linalg.norm(big_ref)):.2e}"
-            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} heads_pad={hp} ilv={il} wg={wg} split={sf} staged={so} inplace={ip} loopdesc={ld} early={ef} wm={wm} mb={mb} xb={xb} "
+            print(f"B={a.b} T={a.t} splits={ns} phase={ph} inflight={fl} omma={om} stages={st} heads_pad={hp} split={sf} staged={so} inplace={ip} loopdesc={ld} early={ef} wm={wm} mb={mb} xb={xb} "
                   f"ablate={','.join(sorted(ab)) or '-':10s} {tm * 1e3:8.3f} ms "
                   f"{c.nbytes / tm / 1e12:5.2f} TB/s{err}", flush=True)
   if a.trace:

@@ -9,7 +9,7 @@ unmodified PTX. Rewrites (``--rewrite``, in order):
   ``loop_descriptors=True`` makes LLVM emit it; in the dump, all 40 descriptors of a tile
   are computed once before the loop and held in registers.
 * ``wide-meta``: the two 32-bit metadata loads (s2, z2) of register tiles k and k + 1 (four
-  loads) as one ``ld.shared.v4.b32``, as ``interleave_meta=True`` does (the addresses are
+  loads) as one ``ld.shared.v4.b32``, as ``interleave_meta=True`` did (removed; the addresses are
   left as they were: right for ptxas's register allocation and schedule, not for values).
   Checked against the device: on the dumped default kernel it predicts 255 registers and
   128 B spilled, which is what ptxas reported on the GPU for ``interleave_meta``.

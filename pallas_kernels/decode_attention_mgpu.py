@@ -24,15 +24,11 @@ padding on the token axis and the dequantized tiles never leave registers:
   z - s * 2**bits)`` in shared memory; the dequantization then loads, per
   thread, only the pair that scales its own rows and columns (one 32-bit load
   per two columns) and spends three instructions per two values (inline PTX on
-  the registers of the MMA operand, see ``_dequant``). ``interleave_meta=True``
-  stages, per thread and 16 columns, s2 and z2 of both its 8-column register tiles as
-  four words (``_stage_wide``, converted per thread in inline PTX), so one 128-bit load
-  replaces four 32-bit ones. Off: alone it is slower (H200, B=8, 32k: 0.185 against 0.172
-  ms; 128 B spilled, the four words stay live), and with ``loop_descriptors`` too (no
-  spills, a third fewer static stalls, but 0.127 against 0.115 ms). (Its first form, one
-  64-bit load per pair, was no faster: 0.202 against 0.204 ms in an older kernel.) Under
-  ``warp_mma`` it also brings a value group's pairs of both row halves in one load: per
-  tile and thread 96 128-bit loads replace 384 32-bit ones (not yet timed on a GPU).
+  the registers of the MMA operand, see ``_dequant``). Interleaving
+  the s2/z2 of two register tiles into one 128-bit load (``interleave_meta``) was
+  slower each time it was timed (H200, B=8, 32k: 0.185 against 0.172 ms; with
+  ``loop_descriptors`` 0.127 against 0.115; under ``warp_mma`` 0.102 against 0.096) and
+  was removed (docs/benchmarks.md).
   ``in_place_codes=True`` (default) reads each slot where an in-place rotation of the
   words left it (``_read_plan``), two instructions per pair for most slots, with the
   slot's position folded into the staged scale (H200, B=8, 32k: 0.172 against 0.180 ms).
@@ -53,7 +49,7 @@ padding on the token axis and the dequantized tiles never leave registers:
   by 16-bit stores, see ``_store_transposed``), whose A operand ``v^T`` is again
   dequantized in registers (loaded transposed, then moved to the MMA layout).
 * ``warp_mma=True`` (default where the options allow it: one program per CTA, ``split_fetch``,
-  outliers staged in the MMA; ``interleave_meta`` widens its metadata loads too) replaces
+  outliers staged in the MMA) replaces
   the warpgroup MMAs by ``mma.sync`` per warp: the WGMMA register layout is four stacked m16n8 fragments, so each
   warp's dequantized key rows (16 tokens of every slot) are an A operand as they stand; each
   warp keeps its own softmax state (no cross-warp max, no ``p`` in shared memory: ``p`` is
@@ -78,12 +74,10 @@ padding on the token axis and the dequantized tiles never leave registers:
 * Sinks and the full-precision window (a few dozen tokens) are attended, and the splits'
   partials merged in log2 units, by one Triton kernel after this one
   (``decode_merge_gpu.merge_heads_minor``; ``merge_kernel=False``: plain ``jnp``).
-* ``warpgroups=3`` runs three programs per CTA, one per warpgroup, each with its own
-  slice of every shared buffer and its tiles fetched by hand (``_kernel``): a CTA of
-  384 threads makes ptxas fit 168 registers per thread, the only way to get a third
-  program onto an SM. It is correct but slower (H200, B=8, 32k, phase 4: 0.240
-  against 0.199 ms; ptxas spills 300 bytes at 168 registers, against 255 without
-  spills for one program per CTA), so the default stays one. Splitting a program's keys
+* Three programs per CTA, one per warpgroup (384 threads make ptxas fit 168 registers per
+  thread, the only way to get a third program onto an SM), were correct but slower (H200,
+  B=8, 32k, phase 4: 0.240 against 0.199 ms; 300 bytes spilled) and were removed with
+  ``interleave_meta`` (commit f9cbe99 still has both). Splitting a program's keys
   and values over two warpgroups (softmax in one, output MMAs in the other, 512 threads per
   CTA) was slower too: 0.126 ms at best against 0.116 (commit e4c4760 has it).
 
@@ -133,7 +127,6 @@ STAGED_OUTLIERS = True   # outliers_in_mma: each tile's outlier values staged on
                          # MMA register costs a shared load and a select (was ~13 instructions)
 IN_PLACE_CODES = True    # read slots where the rotation left them (_read_plan): fewer rotations
                          # (H200, B=8 32k: 0.172 vs 0.180 ms; B=1 128k 0.130 vs 0.133; SASS 3,249 vs 3,501)
-INTERLEAVE_META = False  # s2/z2 of two register tiles in one 128-bit load (_stage_wide)
 MERGED_BARRIERS = False  # warp_mma, early fetches, one phase: one warpgroup barrier per half-tile
                          # (codes loaded, metadata staged, next half fetched) instead of two
 EXPLICIT_BARRIERS = False  # warp_mma: Pallas inserts no barriers of its own around shared stores
@@ -176,14 +169,9 @@ def _p_tokens_minor(npad):
   return npad * 2 < 32
 
 
-def _meta_scratch(shape, interleaved, lead=0):
-  """Staged metadata: fp16 ``[2 (s2, z2), *shape]``, or (``_stage_wide``) i32
-  ``[*shape[:-1], shape[-1] / 16, 4, 4]``: f16x2 bits of s2 and z2, four words per thread
-  and 16 columns.
-  The first ``lead`` dims of ``shape`` stay in front (one slice per warpgroup)."""
-  if interleaved:
-    return plgpu.SMEM(shape[:-1] + (shape[-1] // 16, 4, 4), jnp.int32)
-  return plgpu.SMEM(shape[:lead] + (2,) + shape[lead:], jnp.float16)
+def _meta_scratch(shape):
+  """Staged metadata: fp16 ``[2 (s2, z2), *shape]``."""
+  return plgpu.SMEM((2,) + tuple(shape), jnp.float16)
 
 
 def _chunk(tile_tokens):
@@ -299,7 +287,7 @@ def _rotate_words(words, r):
 
 
 def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=None,
-             interleaved=False, timing_form="", pos=None, meta_key=None):
+             timing_form="", pos=None, meta_key=None):
   """uint16 code words [M, N] (WGMMA layout) -> fp16 [M, N] (WGMMA layout), in registers.
 
   meta_ref: shared memory ``f16[2, ...]`` holding ``s2 = s * 2**bits`` (``[0]``) and
@@ -313,14 +301,9 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
   32-bit shared load per pair of columns), so a group boundary between warps costs
   nothing.
 
-  interleaved: ``meta_ref`` is ``i32[..., L / 16, 4, 4]`` (``_stage_wide``), ``meta_index``
-  gives ``[..., column // 16, quad]``: one 128-bit load brings s2 and z2 of register
-  tiles ``k`` and ``k ^ 1``.
-
   ``meta_key(mt, k, half)`` (optional): registers with equal keys share one metadata pair,
   ``meta_index(mt, k, warp, quad, half)`` then gets the row half too (``warp_mma``'s
-  transposed values: the halves are different tokens); with ``interleaved`` one 128-bit
-  load brings the pairs of both halves (words: s2 of half 0, 1, then z2 of half 0, 1).
+  transposed values: the halves are different tokens).
 
   ``patch(mt, k, half, value_i32, patch_ref, row, quad)`` (optional) may replace the
   two fp16 values of a register (as an i32) by others read from ``patch_ref``; it
@@ -365,15 +348,8 @@ def _dequant(words, meta_ref, *, bits, slot, meta_index, patch_ref=None, patch=N
       elif key not in meta:
         ii = (meta_index(mt, k, warp, quad) if meta_key is None
               else meta_index(mt, k, warp, quad, idx[4]))
-        if interleaved:   # one 128-bit load: register tiles k and k ^ 1 (meta_key: both row halves)
-          four = vector.load(ir.VectorType.get((4,), i32), mref, ii + [arith.constant(index, 0)])
-          keys = ([(mt, k - k % 2), (mt, k - k % 2 + 1)] if meta_key is None
-                  else [meta_key(mt, k, half) for half in (0, 1)])
-          for n, kn in enumerate(keys):         # words: s2 of both, then z2 of both
-            meta[kn] = [vector.extract(four, [], [2 * a + n]) for a in (0, 1)]
-        else:
-          meta[key] = [mgpu_utils.bitcast(vector.load(f16x2, mref, [arith.constant(index, a)] + ii), i32)
-                       for a in (0, 1)]
+        meta[key] = [mgpu_utils.bitcast(vector.load(f16x2, mref, [arith.constant(index, a)] + ii), i32)
+                     for a in (0, 1)]
       w32 = mgpu_utils.bitcast(regs[idx], i32)
       s2, z2 = meta[key]
       r = w32 if raw else llvm.inline_asm(i32, [w32, s2, z2], asm, "=r,r,r,r")
@@ -612,70 +588,6 @@ def _slot_exponent(x, *, unit, exps):
   return arith.andi(arith.shrui(_i32(table), arith.muli(slot, _i32(4))), _i32(15))
 
 
-def _to_f16x2_asm(dtype):
-  """PTX: two neighbouring metadata elements (``$1``: 16 bits for fp8, else 32) -> f16x2."""
-  if dtype == jnp.float8_e4m3fn:
-    return "cvt.rn.f16x2.e4m3x2 $0, $1;"
-  if dtype == jnp.bfloat16:
-    return ("{ .reg .b16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; "
-            "cvt.f32.bf16 a, l; cvt.f32.bf16 b, h; cvt.rn.f16x2.f32 $0, b, a; }")
-  return "mov.b32 $0, $1;"
-
-
-def _stage_wide(s_ref, z_ref, dst_ref, *, exps, unit):
-  """Scales and zero-points (smem, contiguous, ``[..., L]``, any metadata dtype) -> ``dst
-  i32[..., L / 16, 4, 4]``: for the 16 columns ``16 kk + (0..15)`` and quad ``q``, the
-  f16x2 bits of ``s2`` of columns ``16 kk + 2 q (+1)`` and ``16 kk + 8 + 2 q (+1)``, then
-  ``z2`` of the same, so that one 128-bit load gives a thread the metadata of both
-  8-column register tiles ``(2 kk, 2 kk + 1)`` it holds (``_dequant(interleaved=True)``).
-  ``s2 = s * 2**e``, ``z2 = z - s2`` rounded once in fp16 (as ``_meta_pair``), with ``e =
-  exps[(x // unit) % len(exps)]`` for flat element ``x`` (the slot's multiplier of
-  ``in_place_codes``, or ``bits`` for every slot). Each thread converts 8 consecutive
-  elements per step: two loads, eight conversions (fp8: four), four HMUL2/HSUB2 pairs
-  and eight 32-bit stores."""
-  dtype = jnp.dtype(s_ref.dtype)
-  width = dtype.itemsize * 8
-  conv = _to_f16x2_asm(dtype)
-  assert unit % 8 == 0
-  scale_asm = ("{ .reg .b32 m; shl.b32 m, $2, 10; add.u32 m, m, 0x3c00; prmt.b32 m, m, m, 0x1010; "
-               "mul.rn.f16x2 $0, $3, m; sub.rn.f16x2 $1, $4, $0; }")  # m = 2**e in both halves
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3)
-  def fn(ctx, sr, zr, d):
-    del ctx
-    i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
-    n = int(np.prod(ir.MemRefType(sr.type).shape))
-    assert n % 16 == 0
-    vec_ty = ir.VectorType.get((8 * width // 32,), i32) if width > 8 else ir.VectorType.get((2,), i32)
-    tid = arith.andi(mgpu_utils.thread_idx(), _i32(127))
-    sp, zp, dp_ = (mgpu_utils.memref_ptr(x) for x in (sr, zr, d))
-    two = llvm.StructType.get_literal([i32] * 2)
-    for i in range(-(-(n // 8) // 128)):
-      c = arith.minui(arith.addi(tid, _i32(128 * i)), _i32(n // 8 - 1))   # repeats write alike
-      x0 = arith.muli(c, _i32(8))
-      e = _slot_exponent(x0, unit=unit, exps=exps)
-      byte = arith.muli(x0, _i32(width // 8))
-      sv, zv = (llvm.load(vec_ty, mgpu_utils.getelementptr(p, [byte], i8)) for p in (sp, zp))
-      words = arith.addi(arith.muli(arith.shrui(c, _i32(1)), _i32(16)), arith.andi(c, _i32(1)))
-      for q in range(4):
-        pair = []
-        for v in (sv, zv):
-          if width == 8:     # two fp8 per 16 bits: the q-th half-word
-            w = vector.extract(v, [], [q // 2])
-            if q % 2:
-              w = arith.shrui(w, _i32(16))
-            half = arith.trunci(ir.IntegerType.get_signless(16), w)
-            pair.append(llvm.inline_asm(i32, [half], conv, "=r,h"))
-          else:
-            w = vector.extract(v, [], [q])
-            pair.append(llvm.inline_asm(i32, [w], conv, "=r,r"))
-        res = llvm.inline_asm(two, [e, pair[0], pair[1]], scale_asm, "=r,=r,r,r,r")
-        for a in (0, 1):
-          at = arith.addi(words, _i32(4 * q + 2 * a))
-          llvm.store(llvm.extractvalue(i32, res, [a]), mgpu_utils.getelementptr(dp_, [at], i32))
-  fn(s_ref, z_ref, dst_ref)
-
-
 def _stage_outliers(src_ref, dst_ref, *, tokens_major, base=0):
   """A tile's 16-bit outlier values ``src [n, T // C, C]`` (bf16, token-minor) -> fp16 in
   ``dst``, once per tile, so that patching an MMA register costs one 32-bit shared load and
@@ -876,15 +788,14 @@ def _affine(base, coef, var, div=1, cap=None):
 
 
 class _Own(NamedTuple):
-  """A program's own shared buffers when its tiles are fetched by hand (``split_fetch`` or
-  several programs per CTA; allocated in ``quantized_partials``, in this order)."""
+  """A program's own shared buffers when its tiles are fetched by hand (``split_fetch``;
+  allocated in ``quantized_partials``, in this order)."""
   tiles: tuple              # 8 tile buffers, as the block specs: k codes, scale, zero, outliers; v ...
   kbar: Any                 # key-half and value-half tile barriers
   vbar: Any
   o: Any                    # output staging: o^T [D_pad, N], o_out [nop, N], (m, l) [2, N]
   oo: Any
   ml: Any
-  red: Any = None           # cross-warp reduction scratch (several programs per CTA), else None
 
   @classmethod
   def of(cls, refs):
@@ -894,44 +805,29 @@ class _Own(NamedTuple):
 def _kernel(len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
             o_ref, oo_ref, m_ref, l_ref, *scratch,
             lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
-            ilv: bool = False, wgs: int = 1, split: bool = False, staged: bool = False,
+            split: bool = False, staged: bool = False,
             inplace: bool = False, loop_desc: bool = False, early: bool = False,
             qprep: float | None = None, ablate: frozenset = frozenset(), warp_mma: bool = False,
             merged: bool = False):
-  """One program: b, h and split from the grid (``wgs == 1``), or ``wgs`` programs per CTA,
-  one per warpgroup, each with its own slice (``.at[wg]``) of every scratch buffer: the
-  ``_N_COMMON`` every program has, then (``_Own``) its tile buffers, barriers and staging."""
-  if wgs == 1:
-    b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
-    qraw = wred = None
-    if qprep is not None:
-      scratch, qraw = scratch[:-1], scratch[-1]
-    if warp_mma:
-      scratch, wred = scratch[:-1], scratch[-1]
-    common, own = list(scratch[:_N_COMMON]) + [qraw], None
-    if split:                      # one-barrier arrays -> barriers, as the .at[wg] views below
-      common[5] = common[5].at[0]
-      own = _Own.of(scratch[_N_COMMON:])
-      own = own._replace(kbar=own.kbar.at[0], vbar=own.vbar.at[0])
-    _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
-             o_ref, oo_ref, m_ref, l_ref, *common, lay=lay, bps=bps, phase=phase, inflight=inflight,
-             omma=omma, stages=stages, npad=npad, ilv=ilv, staged=staged, inplace=inplace,
-             loop_desc=loop_desc, early=early, qprep=qprep, ablate=ablate, own=own,
-             warp_mma=warp_mma, wred=wred, merged=merged)
-    return
-  wg = lax.axis_index("wg")
-  prog = lax.axis_index("c") * wgs + wg
-  nb, nh, ns = o_ref.shape[:3]
-  views = [r.at[wg] for r in scratch]
-  common, own = views[:_N_COMMON] + [None], _Own.of(views[_N_COMMON:])
-
-  @pl.when(prog < nb * nh * ns)                     # the last CTA may have idle warpgroups
-  def _():
-    _program(prog // (nh * ns), (prog // ns) % nh, prog % ns, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref,
-             kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref, o_ref, oo_ref, m_ref, l_ref, *common,
-             lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma, stages=stages, npad=npad,
-             ilv=ilv, staged=staged, inplace=inplace, loop_desc=loop_desc, early=early, qprep=qprep,
-             ablate=ablate, own=own)
+  """One program per CTA: b, h and split from the grid. ``scratch``: the ``_N_COMMON``
+  buffers every program has, then (``split``: ``_Own``) its tile buffers, barriers and
+  staging, then warp_mma's partials and the raw queries where they are used."""
+  b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+  qraw = wred = None
+  if qprep is not None:
+    scratch, qraw = scratch[:-1], scratch[-1]
+  if warp_mma:
+    scratch, wred = scratch[:-1], scratch[-1]
+  common, own = list(scratch[:_N_COMMON]) + [qraw], None
+  if split:                      # one-barrier arrays -> barriers
+    common[5] = common[5].at[0]
+    own = _Own.of(scratch[_N_COMMON:])
+    own = own._replace(kbar=own.kbar.at[0], vbar=own.vbar.at[0])
+  _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
+           o_ref, oo_ref, m_ref, l_ref, *common, lay=lay, bps=bps, phase=phase, inflight=inflight,
+           omma=omma, stages=stages, npad=npad, staged=staged, inplace=inplace,
+           loop_desc=loop_desc, early=early, qprep=qprep, ablate=ablate, own=own,
+           warp_mma=warp_mma, wred=wred, merged=merged)
 
 
 def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, ko_ref, vc_ref, vs_ref, vz_ref, vo_ref,
@@ -939,7 +835,7 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
              q_smem, qo_smem, p_smem, kmeta_smem, vmeta_smem, bar, kout_smem, vout_smem,
              kmult_smem, vmult_smem, qraw_smem,
              *, lay: kq.KVLayout, bps: int, phase: int, inflight: int, omma: bool, stages: int, npad: int,
-             ilv: bool = False, staged: bool = False, inplace: bool = False, loop_desc: bool = False,
+             staged: bool = False, inplace: bool = False, loop_desc: bool = False,
              early: bool = False, qprep: float | None = None, ablate: frozenset = frozenset(),
              own: _Own | None = None, warp_mma: bool = False, wred=None, merged: bool = False):
   """With ``own`` the tiles are fetched by hand, one tile in flight in two halves: the next
@@ -1015,10 +911,10 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
   if qprep is not None:
     _stage_query(qraw_smem, idx_ref.at[b, h], q_smem, dp=dp, d_low=lo_col, scale=qprep)
   q_out = [_ld(qo_smem, (o,), COL) for o in range(n_fma)]              # [npad] f32 each
-  if plan is not None and not ilv:     # read by other threads only after this barrier
+  if plan is not None:     # read by other threads only after this barrier
     _fill_slot_multipliers(kmult_smem, unit=kmult_smem.shape[-1] * SLOT // G, exps=slot_exps)
     _fill_slot_multipliers(vmult_smem, unit=SLOT, exps=slot_exps)
-  if qprep is not None or (plan is not None and not ilv):
+  if qprep is not None or plan is not None:
     plgpu.commit_smem()
 
   rows = plgpu.broadcasted_iota(jnp.int32, (SLOT, npad), 0, layout=wl)
@@ -1027,28 +923,18 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
 
   def k_meta_index(j):
     # keys: rows are tokens (slot j, warp's 16 rows: one G-token group), columns channels
-    # (interleaved: column pairs)
-    col = ((lambda k, quad: [_ix(k // 2), quad]) if ilv
-           else (lambda k, quad: [_affine(8 * k, 2, quad)]))
-    return lambda mt, k, warp, quad: [_affine(j * SLOT, 16, warp, div=G)] + col(k, quad)
+    return lambda mt, k, warp, quad: [_affine(j * SLOT, 16, warp, div=G), _affine(8 * k, 2, quad)]
 
   def v_meta_index(j):
     # v^T: rows are channels (one G-channel group per warp), columns the slot's tokens
-    # (interleaved: token pairs)
     t0 = j * SLOT
-    col = ((lambda k, quad: [_ix((t0 % C) // 16 + k // 2), quad]) if ilv
-           else (lambda k, quad: [_affine(t0 % C + 8 * k, 2, quad)]))
     return lambda mt, k, warp, quad: [_affine(64 * mt, 16, warp, div=G, cap=ng - 1),
-                                      _ix(t0 // C)] + col(k, quad)
+                                      _ix(t0 // C), _affine(t0 % C + 8 * k, 2, quad)]
 
   def v_meta_index_t(j):
     # warp_mma's v^T: register (k, half) holds channel 8 k + g and the slot's tokens
     # 16 warp + 8 half + 2 quad (+ 1): one pair per (channel group, half)
-    # (interleaved: the warp's 16-token block, both halves)
     t0 = j * SLOT
-    if ilv:
-      return lambda mt, k, warp, quad, half: [
-          _ix(min(8 * k // G, ng - 1)), _ix(t0 // C), _affine((t0 % C) // 16, 1, warp), quad]
     return lambda mt, k, warp, quad, half: [
         _ix(min(8 * k // G, ng - 1)), _ix(t0 // C),
         arith.addi(_affine(t0 % C + 8 * half, 16, warp), arith.muli(_ix(2), quad))]
@@ -1157,11 +1043,6 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
       else:
         _stage_outliers(src, vout_smem, tokens_major=False)
     for src_s, src_z, dst in pairs:
-      if ilv:
-        is_key = dst is kmeta_smem
-        _stage_wide(src_s, src_z, dst, exps=slot_exps or [bits],
-                    unit=dp * SLOT // G if is_key else SLOT)
-        continue
       if plan is not None:           # s * 2**(10 - pos) of each element's slot: whole-array ops
         mult = (kmult_smem if dst is kmeta_smem else vmult_smem)[...].astype(jnp.float16)
         s2 = src_s[...].astype(jnp.float16) * mult
@@ -1187,7 +1068,7 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
       codes_loaded()
 
     def k16_of(words, j):
-      return _dequant(words, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j), interleaved=ilv,
+      return _dequant(words, kmeta_smem, bits=bits, slot=j, meta_index=k_meta_index(j),
                       timing_form=k_form, pos=None if plan is None else plan[j][1],
                       patch_ref=kout_smem if staged else ko, patch=key_patch(j) if omma else None)
 
@@ -1262,7 +1143,7 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
       for n, j in enumerate(js):
         if plan is not None and plan[j][0]:
           words = _rotate_words(words, plan[j][0])
-        v16 = _dequant(words, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j), interleaved=ilv,
+        v16 = _dequant(words, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index(j),
                        timing_form=v_form, pos=None if plan is None else plan[j][1],
                        patch_ref=vout_smem if staged else vo,
                        patch=value_patch(j) if omma else None)
@@ -1284,7 +1165,7 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
       if plan is not None and plan[j][0]:
         words = _rotate_words(words, plan[j][0])
       v16 = _dequant(words, vmeta_smem, bits=bits, slot=j, meta_index=v_meta_index_t(j),
-                     meta_key=v_meta_key_t, interleaved=ilv, timing_form=v_form,
+                     meta_key=v_meta_key_t, timing_form=v_form,
                      pos=None if plan is None else plan[j][1], patch_ref=vout_smem,
                      patch=value_patch_t(j) if omma else None)
       acc = _warp_pv(acc, v16, ps[n])
@@ -1365,11 +1246,7 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
                         hooks.values_done if early and hooks is not None and last else None)
     return m, l_rows, acc, acc_vo
 
-  if own is None or own.red is None:
-    rows_max, rows_sum = (lambda x: x.max(axis=0)), (lambda x: x.sum(axis=0))
-  else:          # the module's reduction scratch is shared by all warpgroups: use our own
-    rows_max = lambda x: _reduce_rows("max", x, own.red)
-    rows_sum = lambda x: _reduce_rows("add", x, own.red)
+  rows_max, rows_sum = (lambda x: x.max(axis=0)), (lambda x: x.sum(axis=0))
 
   zeros_sq = lambda: plgpu.layout_cast(jnp.zeros((SLOT, npad), f32), wl)
   init = (
@@ -1452,18 +1329,6 @@ def _program(b, h, sp, len_ref, q_ref, qo_ref, idx_ref, kc_ref, ks_ref, kz_ref, 
       store(own.o, own.oo, own.ml)
 
 
-def _reduce_rows(op, x, scratch):
-  """x [64, N] f32 (WGMMA layout) reduced over its rows (across the warpgroup's 4 warps) with
-  ``scratch`` (this warpgroup's own shared memory) -> [N] (COL layout)."""
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
-                     return_type=plgpu.ShapeDtypeStruct((x.shape[1],), jnp.float32, COL))
-  def fn(ctx, xa, ref):
-    del ctx
-    mgpu_utils.warpgroup_barrier()           # the last reduction's readers are done with scratch
-    return xa.reduce(op, 0, scratch=ref)
-  return fn(x, scratch)
-
-
 def _choose_splits(n_tiles, batch_heads, num_splits):
   if num_splits is None:
     num_splits = max(1, -(-_TARGET_PROGRAMS // batch_heads))
@@ -1474,11 +1339,10 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
   return num_splits, n_tiles // num_splits
 
 
-def _warp_mma_applies(wgs: int, split_fetch: bool, n_out: int, omma: bool,
-                      staged_outliers: bool) -> bool:
+def _warp_mma_applies(split_fetch: bool, n_out: int, omma: bool, staged_outliers: bool) -> bool:
   """Whether ``warp_mma`` can run with these options: one program per CTA, tiles fetched by
   hand, and any outliers staged into the MMA's columns."""
-  return wgs == 1 and bool(split_fetch) and (not n_out or bool(omma and staged_outliers))
+  return bool(split_fetch) and (not n_out or bool(omma and staged_outliers))
 
 
 def _split_in_mma(lay: kq.KVLayout, outliers_in_mma: bool) -> bool:
@@ -1489,7 +1353,7 @@ def _split_in_mma(lay: kq.KVLayout, outliers_in_mma: bool) -> bool:
 
 def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=PHASE_SLOTS,
                        inflight=1, outliers_in_mma=True, stages=STAGES, heads_pad=None,
-                       interleave_meta=INTERLEAVE_META, warpgroups=1, split_fetch=SPLIT_FETCH,
+                       split_fetch=SPLIT_FETCH,
                        staged_outliers=STAGED_OUTLIERS, in_place_codes=IN_PLACE_CODES,
                        loop_descriptors=LOOP_DESCRIPTORS, early_fetch=EARLY_FETCH, profile_dir="",
                        ablate=frozenset(), heads_minor=False, raw_query=None, raw_scale=None,
@@ -1520,12 +1384,11 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
     raise ValueError("heads_minor needs the outlier channels inside the MMA (outliers_in_mma "
                      f"and d_low + n_out <= d_pad; got n_out={n_out}, d_pad={dp})")
   kr = max(1, SLOT * lay.cpw // lay.config.group_size)
-  ilv = bool(interleave_meta)
   nop = _NOP(n_out)
   q_out = np.zeros((1, 1, nop, npad), np.float32)     # unread unless rank-1 outlier updates; a literal
   idx_in = np.zeros((b, h, 1), np.int32)              # unread unless the kernel builds the query
   qprep = None
-  if raw_query is not None and (omma or not n_out) and int(warpgroups) == 1:   # (3 per CTA: no room)
+  if raw_query is not None and (omma or not n_out):
     if raw_scale is None or raw_query.shape != qg.shape:
       raise ValueError(f"raw_query must have qg's shape {qg.shape} (got {raw_query.shape}) "
                        f"and come with raw_scale (got {raw_scale})")
@@ -1554,74 +1417,62 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       jax.ShapeDtypeStruct((b, h, ns, npad), f32),
       jax.ShapeDtypeStruct((b, h, ns, npad), f32),
   )
-  wgs = int(warpgroups)
-  if wgs < 1:
-    raise ValueError(f"warpgroups (programs per CTA) must be >= 1, got {warpgroups}")
-  if stages != 1 and (split_fetch or wgs > 1):
-    raise ValueError(f"stages={stages} needs the whole-tile pipeline: split_fetch=False and "
-                     f"warpgroups=1 (got split_fetch={split_fetch}, warpgroups={warpgroups}); "
-                     "the hand-written fetch keeps one tile in flight")
-  wm_ok = _warp_mma_applies(wgs, split_fetch, n_out, omma, staged_outliers)
+  if stages != 1 and split_fetch:
+    raise ValueError(f"stages={stages} needs the whole-tile pipeline: split_fetch=False (got "
+                     f"split_fetch={split_fetch}); the hand-written fetch keeps one tile in flight")
+  wm_ok = _warp_mma_applies(split_fetch, n_out, omma, staged_outliers)
   wm = WARP_MMA and wm_ok if warp_mma is None else bool(warp_mma)
   if wm and not wm_ok:
-    raise ValueError("warp_mma needs warpgroups=1, split_fetch and the outliers staged in the "
-                     f"MMA (got warpgroups={warpgroups}, split_fetch={split_fetch}, "
+    raise ValueError("warp_mma needs split_fetch and the outliers staged in the "
+                     f"MMA (got split_fetch={split_fetch}, "
                      f"outliers_in_mma={omma}, staged_outliers={staged_outliers})")
-  lead = () if wgs == 1 else (wgs,)                # several programs per CTA: one slice each
-  smem = lambda shape, dtype, **kw: plgpu.SMEM(lead + tuple(shape), dtype, **kw)
+  smem = plgpu.SMEM
   scratch = [
       smem((npad, dp), jnp.float16, transforms=_transforms(dp, 2)),
       smem((nop, npad), f32),
       (smem((2, 8), jnp.float16) if wm                 # unused: warp_mma keeps p in registers
        else smem((phase, npad, SLOT), jnp.float16, transforms=_transforms(SLOT, 2)) if _p_tokens_minor(npad)
        else smem((phase, SLOT, npad), jnp.float16, transforms=_transforms(npad, 2))),
-      _meta_scratch(lead + (kr, dp), ilv, len(lead)),                                  # key s2, z2
-      _meta_scratch(lead + (lay.n_groups_tok, SLOT * lay.cpw // c, c), ilv, len(lead)),  # value s2, z2
-      plgpu.Barrier(num_barriers=wgs, num_arrivals=1 + (n_out > 0 and not omma)),
+      _meta_scratch((kr, dp)),                                          # key s2, z2
+      _meta_scratch((lay.n_groups_tok, SLOT * lay.cpw // c, c)),        # value s2, z2
+      plgpu.Barrier(num_barriers=1, num_arrivals=1 + (n_out > 0 and not omma)),
   ]
-  staged = bool(omma and staged_outliers and wgs == 1)   # three programs per CTA: no room (11 KB each)
+  staged = bool(omma and staged_outliers)
   # in place: each key group must lie in one slot (its staged scale carries that slot's multiplier)
-  # (and its slot multipliers need shared memory: not with three programs per CTA)
-  inplace = bool(in_place_codes and lay.config.group_size <= SLOT and wgs == 1)
+  inplace = bool(in_place_codes and lay.config.group_size <= SLOT)
   tile = SLOT * lay.cpw
   if staged:                     # fp16 outliers of a tile: keys [T, W] (their columns, from an even one), values
     k_lo, k_hi = lay.d_low - lay.d_low % 2, lay.d_low + n_out
     scratch += [smem((tile, k_hi - k_lo + k_hi % 2), jnp.float16), smem((n_out, tile // c, c), jnp.float16)]
   else:
     scratch += [smem((2, 8), jnp.float16), smem((2, 8), jnp.float16)]       # unused
-  if inplace and not ilv:        # per-element slot multipliers of the staged scales (keys, values)
+  if inplace:                   # per-element slot multipliers of the staged scales (keys, values)
     scratch += [smem((kr, dp), kv.k_scale.dtype), smem((lay.n_groups_tok, tile // c, c), kv.v_scale.dtype)]
   else:
     scratch += [smem((2, 8), jnp.float16), smem((2, 8), jnp.float16)]       # unused
   assert len(scratch) == _N_COMMON
   args = (kv.lengths.astype(jnp.int32), q_lo, q_out, idx_in, kv.k_codes, kv.k_scale, kv.k_zero, tm(ko),
           kv.v_codes, tm(kv.v_scale), tm(kv.v_zero), tm(vo))
-  if wgs > 1 or split_fetch:     # this program's _Own buffers: tiles (as the block specs), barriers, staging
+  if split_fetch:                # this program's _Own buffers: tiles (as the block specs), barriers, staging
     blocks = [((SLOT, dp), _transforms(dp, 2)), ((kr, dp), ()), ((kr, dp), ()),
               ((ko.shape[2], tile // c, c), ()), ((SLOT, dp), _transforms(dp, 2)),
               ((lay.n_groups_tok, tile // c, c), ()), ((lay.n_groups_tok, tile // c, c), ()),
               ((vo.shape[2], tile // c, c), ())]
     scratch += [smem(shape, x.dtype, transforms=tr) for (shape, tr), x in zip(blocks, args[4:])]
-    scratch += [plgpu.Barrier(num_barriers=wgs, num_arrivals=4), plgpu.Barrier(num_barriers=wgs, num_arrivals=4),
+    scratch += [plgpu.Barrier(num_barriers=1, num_arrivals=4), plgpu.Barrier(num_barriers=1, num_arrivals=4),
                 smem((dp, npad), f32), smem((nop, npad), f32), smem((2, npad), f32)]
-    if wgs > 1:
-      scratch.append(smem((256,), f32))                     # cross-warp reductions
   if wm:
     scratch.append(smem((4 * dp, npad), f32))               # the warps' partials, combined at the end
   if qprep is not None:
-    scratch.append(smem((g, d), q_lo.dtype))                # the raw queries (last: one program per CTA)
-  if wgs > 1:
-    n_cta = -(-(b * h * ns) // wgs)
-    grid = dict(grid=(n_cta,), grid_names=("c",), num_threads=wgs, thread_name="wg")
-  else:
-    grid = dict(grid=(b, h, ns), grid_names=("b", "h", "s"))
+    scratch.append(smem((g, d), q_lo.dtype))                # the raw queries (last)
+  grid = dict(grid=(b, h, ns), grid_names=("b", "h", "s"))
   # profile_dir: Mosaic's on-device profiler writes one trace per call there (regions "meta",
   # "kwait", "qk", "vwait", "softmax", "pv", "store" of every program, timed by warp 0 of each warpgroup)
   n_ranges = bps * (3 + 3 * -(-lay.cpw // phase)) + 8     # per tile: kwait, meta, vwait; 3 per phase
   prof = dict(profile_space=2 * n_ranges, profile_dir=profile_dir) if profile_dir else {}
   kern = plgpu.kernel(
       functools.partial(_kernel, lay=lay, bps=bps, phase=phase, inflight=inflight, omma=omma,
-                        stages=stages, npad=npad, ilv=ilv, wgs=wgs, split=bool(split_fetch),
+                        stages=stages, npad=npad, split=bool(split_fetch),
                         staged=staged, inplace=inplace, loop_desc=bool(loop_descriptors),
                         early=bool(early_fetch), qprep=qprep, ablate=ablate, warp_mma=wm,
                         merged=bool(merged_barriers)),
@@ -1643,13 +1494,13 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_splits", "phase_slots", "inflight",
                                              "outliers_in_mma", "stages", "heads_pad",
-                                             "interleave_meta", "warpgroups", "split_fetch",
+                                             "split_fetch",
                                              "staged_outliers", "in_place_codes", "loop_descriptors",
                                              "early_fetch", "profile_dir", "ablate", "merge_kernel",
                                              "warp_mma", "merged_barriers", "explicit_barriers"))
 def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=None,
                           phase_slots=PHASE_SLOTS, inflight=1, outliers_in_mma=True, stages=STAGES,
-                          heads_pad=None, interleave_meta=INTERLEAVE_META, warpgroups=1,
+                          heads_pad=None,
                           split_fetch=SPLIT_FETCH, staged_outliers=STAGED_OUTLIERS,
                           in_place_codes=IN_PLACE_CODES, loop_descriptors=LOOP_DESCRIPTORS,
                           early_fetch=EARLY_FETCH, profile_dir="", ablate: frozenset = frozenset(),
@@ -1662,7 +1513,7 @@ def decode_attention_mgpu(q, kv: kq.QuantizedKV, *, sm_scale: float, num_splits=
   qg = scaled_queries(q, kv.num_heads, sm_scale)
   opts = dict(num_splits=num_splits, phase_slots=phase_slots, inflight=inflight,
               outliers_in_mma=outliers_in_mma, stages=stages, heads_pad=heads_pad,
-              interleave_meta=interleave_meta, warpgroups=warpgroups, split_fetch=split_fetch,
+              split_fetch=split_fetch,
               staged_outliers=staged_outliers, in_place_codes=in_place_codes,
               loop_descriptors=loop_descriptors, early_fetch=early_fetch, profile_dir=profile_dir,
               ablate=ablate, warp_mma=warp_mma, merged_barriers=merged_barriers,

@@ -44,24 +44,21 @@ def test_unsupported_layout_is_a_clear_error():
     decode_attention(q, kv, backend="cuda")
 
 
-@pytest.mark.parametrize("bits,group,phase,inflight,frac,omma,stages,heads,ilv,wgs,split", [
-    (2, 32, 8, 1, 0.02, False, 2, 8, False, 1, False), (2, 32, 1, 0, 0.0, False, 1, 4, True, 1, True),
-    (3, 32, 2, 1, 0.02, False, 1, 4, False, 3, False), (4, 64, 8, 1, 0.03, False, 2, 16, True, 1, False),
-    (8, 128, 8, 1, 0.0, True, 1, 4, False, 1, False), (2, 32, 8, 1, 0.02, True, 1, 12, False, 2, False),
-    (2, 32, 8, 1, 0.02, True, 1, 4, True, 1, False), (4, 32, 4, 1, 0.03, True, 2, 4, False, 1, False),
-    (2, 32, 4, 1, 0.02, True, 1, 4, False, 3, False), (2, 32, 8, 1, 0.02, True, 1, 4, False, 1, True),
-    (3, 32, 2, 1, 0.02, False, 1, 4, False, 1, True)])
-def test_lowers_for_cuda(bits, group, phase, inflight, frac, omma, stages, heads, ilv, wgs, split):
+@pytest.mark.parametrize("bits,group,phase,inflight,frac,omma,stages,heads,split", [
+    (2, 32, 8, 1, 0.02, False, 2, 8, False), (2, 32, 1, 0, 0.0, False, 1, 4, True),
+    (3, 32, 2, 1, 0.02, False, 1, 4, False), (4, 64, 8, 1, 0.03, False, 2, 16, False),
+    (8, 128, 8, 1, 0.0, True, 1, 4, False), (2, 32, 8, 1, 0.02, True, 1, 12, False),
+    (4, 32, 4, 1, 0.03, True, 2, 4, False), (2, 32, 4, 1, 0.02, True, 1, 4, False),
+    (2, 32, 8, 1, 0.02, True, 1, 4, True), (3, 32, 2, 1, 0.02, False, 1, 4, True)])
+def test_lowers_for_cuda(bits, group, phase, inflight, frac, omma, stages, heads, split):
   """Traces the whole kernel (layouts, metadata staging, inline PTX, pipeline or the
-  hand-written tile fetches of ``split_fetch`` and several warpgroups per CTA) and lowers it
-  for CUDA. 32 programs over 3 warpgroups per CTA leave the last CTA one idle warpgroup."""
+  hand-written tile fetches of ``split_fetch``) and lowers it for CUDA."""
   cfg = kq.KVQuantConfig(bits=bits, group_size=group, outlier_fraction=frac, residual_window=group)
   kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 2, 2, 128, 4096))
   q = jax.ShapeDtypeStruct((2, 2 * heads, 128), jnp.bfloat16)    # heads per kv-head: MMA N 8 or 16
   fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, phase_slots=phase,
                                               inflight=inflight, outliers_in_mma=omma,
-                                              stages=stages, interleave_meta=ilv, warpgroups=wgs,
-                                              split_fetch=split)
+                                              stages=stages, split_fetch=split)
   text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
   # window and merge in the Triton merge kernel where the kernel writes the whole split form
@@ -89,37 +86,20 @@ def test_lowers_for_cuda_outlier_staging(bits, frac, staged, inplace, meta):
   assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("bits,meta,inplace,wgs", [
-    (2, "float8_e4m3fn", True, 1), (3, "bfloat16", True, 1), (4, "float16", False, 1),
-    (8, "float8_e4m3fn", True, 1), (2, "float8_e4m3fn", False, 2)])
-def test_lowers_for_cuda_interleaved_meta(bits, meta, inplace, wgs):
-  """interleave_meta: s2/z2 of two register tiles staged as four words per thread
-  (``_stage_wide``, every metadata dtype; with the slot multipliers of in_place_codes or
-  2**bits; 3-bit tiles of 320 tokens; two programs per CTA)."""
-  cfg = kq.KVQuantConfig(bits=bits, group_size=32, outlier_fraction=0.02, residual_window=32,
-                         meta_dtype=meta)
-  kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 1, 2, 128, 4096))
-  q = jax.ShapeDtypeStruct((1, 8, 128), jnp.bfloat16)
-  fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, interleave_meta=True,
-                                              in_place_codes=inplace, warpgroups=wgs)
-  text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text
-
-
-@pytest.mark.parametrize("bits,frac,meta,inplace,ilv,heads", [
-    (2, 0.02, "float8_e4m3fn", True, False, 8), (3, 0.03, "float8_e4m3fn", True, False, 4),
-    (4, 0.0, "bfloat16", False, False, 16), (8, 0.02, "float16", True, True, 8),
-    (2, 0.03, "float8_e4m3fn", False, True, 12)])
-def test_lowers_for_cuda_explicit_and_merged_barriers(bits, frac, meta, inplace, ilv, heads):
+@pytest.mark.parametrize("bits,frac,meta,inplace,heads", [
+    (2, 0.02, "float8_e4m3fn", True, 8), (3, 0.03, "float8_e4m3fn", True, 4),
+    (4, 0.0, "bfloat16", False, 16), (8, 0.02, "float16", True, 8),
+    (2, 0.03, "float8_e4m3fn", False, 12)])
+def test_lowers_for_cuda_explicit_and_merged_barriers(bits, frac, meta, inplace, heads):
   """explicit_barriers + merged_barriers on every bit width, metadata dtype, with and
-  without outliers, in-place codes, interleaved metadata and 4-16 query heads per kv-head:
+  without outliers, in-place codes and 4-16 query heads per kv-head:
   the kernel's own commits are then its only barriers (two per tile)."""
   cfg = kq.KVQuantConfig(bits=bits, group_size=32, outlier_fraction=frac, residual_window=32,
                          meta_dtype=meta)
   kv = jax.eval_shape(lambda: kq.empty_kv(cfg, 1, 2, 128, 4096))
   q = jax.ShapeDtypeStruct((1, 2 * heads, 128), jnp.bfloat16)
   fn = lambda q, kv: dm.decode_attention_mgpu(q, kv, sm_scale=128 ** -0.5, in_place_codes=inplace,
-                                              interleave_meta=ilv, explicit_barriers=True,
+                                              explicit_barriers=True,
                                               merged_barriers=True)
   text = jax.jit(fn).trace(q, kv).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
@@ -210,7 +190,6 @@ def test_is_hopper_is_false_on_cpu():
 
 @pytest.mark.parametrize("kw,match", [
     ({"stages": 2}, "split_fetch=False"),      # two tiles in flight need the whole-tile pipeline
-    ({"warpgroups": 0}, "warpgroups"),         # programs per CTA must be >= 1
     ({"warp_mma": True, "split_fetch": False}, "warp_mma needs"),   # tiles fetched by hand only
     ({"warp_mma": True, "staged_outliers": False}, "warp_mma needs"),   # outliers in its columns
 ])
@@ -343,23 +322,6 @@ def test_warp_mma_is_the_default_where_the_options_allow_it():
   for kw in ({"staged_outliers": False}, {"split_fetch": False}):
     text = _mosaic_module_text(**kw)
     assert "wgmma.mma_async" in text and "mma.sync.aligned" not in text, kw
-
-
-def _shared_loads(text):
-  """Count of each vector type loaded by ``vector.load`` in a module's text."""
-  return collections.Counter(re.findall(r"vector\.load .*, (vector<\w+>)$", text, re.M))
-
-
-def test_warp_mma_with_interleaved_meta_widens_the_metadata_loads():
-  """warp_mma + interleave_meta: a thread's key s2 and z2 of two register tiles come in one
-  128-bit load (8 per slot instead of 32 32-bit loads), and a value group's pairs of both
-  row halves too (4 per slot instead of 16). The module holds one tile's loop body (8
-  slots): 64 + 32 wide loads replace 256 + 128."""
-  text = _mosaic_module_text(interleave_meta=True)
-  assert "mma.sync.aligned" in text and "wgmma.mma_async" not in text
-  default, wide = _shared_loads(_mosaic_module_text()), _shared_loads(text)
-  assert default["vector<4xi32>"] == 0 and wide["vector<4xi32>"] == 64 + 32
-  assert default["vector<2xf16>"] - wide["vector<2xf16>"] == 256 + 128
 
 
 def test_tile_zero_is_in_flight_while_the_query_arrives():
