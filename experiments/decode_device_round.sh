@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the quantized decode kernel: the bench table (copy ceiling in the
-# same run), then, with a correctness check first, explicit_barriers x merged_barriers
+# same run; --barriers adds the Mosaic kernel with explicit + merged barriers, mosaic_xm,
+# checked against the reference at <= 32k), then, with a correctness check first, explicit_barriers x merged_barriers
 # (warp_mma's warpgroup barriers: Pallas' own ones dropped, one per half-tile), twice,
 # alternating, then optionally an on-device trace of the default. Each step has its own
 # time limit, so a slow one cannot eat the others; logs go to $OUT (bench.txt,
@@ -17,8 +18,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1   # a step killed at its limit keeps its 
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__)"
 
-timeout "$BENCH_S" python3 experiments/bench_decode_attention.py --deadline $((BENCH_S * 3 / 4)) \
-  --out "$OUT" > "$OUT/bench.txt" 2>&1
+timeout "$BENCH_S" python3 experiments/bench_decode_attention.py --barriers \
+  --deadline $((BENCH_S * 3 / 4)) --out "$OUT" > "$OUT/bench.txt" 2>&1
 echo "bench rc $?"
 grep -a "device copy" "$OUT/bench.txt"
 tail -25 "$OUT/bench.txt"
