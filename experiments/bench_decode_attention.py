@@ -198,8 +198,8 @@ def main():
   from pallas_kernels import decode_attention_mgpu as mgpu
   mosaic_xm = jax.jit(lambda q, c: mgpu.decode_attention_mgpu(
       q, c, sm_scale=1 / math.sqrt(D), explicit_barriers=True, merged_barriers=True))
-  quantize = {name: jax.jit(lambda k, v, L, cfg=cfg: kq.quantize_kv(k, v, cfg, lengths=L))
-              for name, cfg in configs.items()}
+  quantize = {cfg: jax.jit(lambda k, v, L, cfg=cfg: kq.quantize_kv(k, v, cfg, lengths=L))
+              for cfg in configs.values()}                  # one compile per distinct config
 
   for (b, t) in sizes:
     if time.time() - start > args.deadline:
@@ -252,12 +252,12 @@ def main():
         tq = time.time()
         fn = mosaic_xm if name == "mosaic_xm" else mosaic_q if name.startswith("mosaic") else ours_q
         if do_check:
-          cr = quantize[name](k, v, ragged)
+          cr = quantize[cfg](k, v, ragged)
           out = fn(q, cr)
           checks[f"B{b}_T{t}_{name}"] = rel_err(out, reference.quantized_decode_attention(q, cr))
           checks[f"B{b}_T{t}_{name}_vs_bf16"] = rel_err(out, reference.decode_attention_bf16(q, k, v, ragged))
           del cr
-        c = quantize[name](k, v, full)
+        c = quantize[cfg](k, v, full)
         nbytes = c.nbytes
         sets = copies(nbytes, lambda i: (q, c if i == 0 else jax.tree.map(jnp.copy, c)))
         tm = timeit(fn, sets)
