@@ -5,6 +5,7 @@ unchanged (locations are left out, so moved source lines do not count):
   JAX_PLATFORMS=cpu PYTHONPATH=. python experiments/mosaic_module.py > /tmp/new.mlir
   (cd OTHER_TREE && JAX_PLATFORMS=cpu PYTHONPATH=. python .../mosaic_module.py) > /tmp/old.mlir
 Options are passed to decode_attention_mgpu as JSON: --kw '{"outliers_in_mma": true}'.
+For many layouts and options at once (hashes), see mosaic_module_sweep.py.
 """
 import argparse
 import json
