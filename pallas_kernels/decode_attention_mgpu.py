@@ -48,11 +48,10 @@ padding on the token axis and the dequantized tiles never leave registers:
   ``out^T [D_pad, N] += v^T . p^T`` (for N = 8 stored tokens-minor as ``p [N, 64]``
   by 16-bit stores, see ``_store_transposed``), whose A operand ``v^T`` is again
   dequantized in registers (loaded transposed, then moved to the MMA layout).
-* ``warp_mma=True`` (default where the options allow it: one program per CTA, ``split_fetch``,
-  outliers staged in the MMA) replaces
-  the warpgroup MMAs by ``mma.sync`` per warp: the WGMMA register layout is four stacked m16n8 fragments, so each
-  warp's dequantized key rows (16 tokens of every slot) are an A operand as they stand; each
-  warp keeps its own softmax state (no cross-warp max, no ``p`` in shared memory: ``p`` is
+* ``warp_mma=True`` (default where the options allow it: ``split_fetch``, outliers staged
+  in the MMA) replaces the warpgroup MMAs by ``mma.sync`` per warp: the WGMMA register
+  layout is four stacked m16n8 fragments, so each warp's dequantized key rows (16 tokens of
+  every slot) are an A operand as they stand; each warp keeps its own softmax state (no cross-warp max, no ``p`` in shared memory: ``p`` is
   turned into a B operand in registers by ``movmatrix``), value words are transposed per 8x8
   block in registers, and the four warps' partial outputs are combined once at the end. No
   MMA descriptors and no warpgroup coupling inside a phase (H100, B=8, 32k, 2-bit + 2 %:
@@ -1340,8 +1339,8 @@ def _choose_splits(n_tiles, batch_heads, num_splits):
 
 
 def _warp_mma_applies(split_fetch: bool, n_out: int, omma: bool, staged_outliers: bool) -> bool:
-  """Whether ``warp_mma`` can run with these options: one program per CTA, tiles fetched by
-  hand, and any outliers staged into the MMA's columns."""
+  """Whether ``warp_mma`` can run with these options: tiles fetched by hand, and any
+  outliers staged into the MMA's columns."""
   return bool(split_fetch) and (not n_out or bool(omma and staged_outliers))
 
 
