@@ -34,6 +34,7 @@ import numpy as np
 
 from pallas_kernels.decode_attention import decode_attention, decode_attention_bf16
 from pallas_kernels import kv_quant as kq
+from pallas_kernels import decode_attention_mgpu as mgpu
 from pallas_kernels import packing
 from pallas_kernels import reference
 
@@ -195,7 +196,6 @@ def main():
   best_kw = {}
   ours_q = jax.jit(lambda q, c: decode_attention(q, c, backend="triton"))
   mosaic_q = jax.jit(lambda q, c: decode_attention(q, c, backend="mosaic"))
-  from pallas_kernels import decode_attention_mgpu as mgpu
   mosaic_xm = jax.jit(lambda q, c: mgpu.decode_attention_mgpu(
       q, c, sm_scale=1 / math.sqrt(D), explicit_barriers=True, merged_barriers=True))
   quantize = {cfg: jax.jit(lambda k, v, L, cfg=cfg: kq.quantize_kv(k, v, cfg, lengths=L))

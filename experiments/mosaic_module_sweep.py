@@ -51,6 +51,11 @@ def sweep():
   return hashes
 
 
+def differing(old: dict, new: dict) -> list:
+  """Combinations whose hash (or recorded error) differs, or that only one sweep has."""
+  return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", help="write the hashes here (JSON)")
@@ -58,7 +63,7 @@ def main():
   a = ap.parse_args()
   if a.compare:
     old, new = (json.load(open(p)) for p in a.compare)
-    diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    diff = differing(old, new)
     for k in diff:
       print(f"differs: {k}")
     print(f"{len(old)} / {len(new)} combinations, {len(diff)} differ, "

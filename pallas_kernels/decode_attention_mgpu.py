@@ -168,11 +168,6 @@ def _p_tokens_minor(npad):
   return npad * 2 < 32
 
 
-def _meta_scratch(shape):
-  """Staged metadata: fp16 ``[2 (s2, z2), *shape]``."""
-  return plgpu.SMEM((2,) + tuple(shape), jnp.float16)
-
-
 def _chunk(tile_tokens):
   """Tokens per TMA box of the token-minor arrays: <= 256 and dividing the tile."""
   return next(c for c in (256, 128, 64) if tile_tokens % c == 0)
@@ -1432,8 +1427,8 @@ def quantized_partials(qg, kv: kq.QuantizedKV, *, num_splits=None, phase_slots=P
       (smem((2, 8), jnp.float16) if wm                 # unused: warp_mma keeps p in registers
        else smem((phase, npad, SLOT), jnp.float16, transforms=_transforms(SLOT, 2)) if _p_tokens_minor(npad)
        else smem((phase, SLOT, npad), jnp.float16, transforms=_transforms(npad, 2))),
-      _meta_scratch((kr, dp)),                                          # key s2, z2
-      _meta_scratch((lay.n_groups_tok, SLOT * lay.cpw // c, c)),        # value s2, z2
+      smem((2, kr, dp), jnp.float16),                                   # key s2, z2 (staged)
+      smem((2, lay.n_groups_tok, SLOT * lay.cpw // c, c), jnp.float16), # value s2, z2
       plgpu.Barrier(num_barriers=1, num_arrivals=1 + (n_out > 0 and not omma)),
   ]
   staged = bool(omma and staged_outliers)
