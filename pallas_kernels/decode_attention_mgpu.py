@@ -56,11 +56,13 @@ padding on the token axis and the dequantized tiles never leave registers:
   block in registers, and the four warps' partial outputs are combined once at the end. No
   MMA descriptors and no warpgroup coupling inside a phase (H100, B=8, 32k, 2-bit + 2 %:
   0.096 against 0.114 ms with ``wgmma``; B=1, 128k: 0.061 against 0.069).
-* ``explicit_barriers=True`` (``warp_mma`` only; not yet timed, off) compiles without
+* ``explicit_barriers=True`` (``warp_mma`` only; off) compiles without
   Pallas' automatic barriers (a warpgroup barrier before every copy and around every
   shared-memory store, ~20 per tile): the kernel's own commits order every shared write
   and buffer reuse. ``merged_barriers=True`` (same state) stages a half's metadata after
   its code words are in registers, so one commit per half-tile does both: two per tile.
+  Both together are correct on an H100 but mixed (B=8, 32k: 0.090 vs 0.092 ms; 8x4k: 0.032
+  vs 0.026), so both stay off (docs/benchmarks.md, session 21).
 * Outlier channels (at most four) take the MMA's padding columns
   (``outliers_in_mma=True``, the default; needs ``d_low + n_out <= D_pad``): their
   16-bit values (as fp16) replace the dequantized registers of those key columns and
