@@ -1,21 +1,24 @@
 """Decode attention on a packed, quantized KV cache vs bf16 peers, timed in one run.
 
 Usage (device machine, from the repo root):
-  PYTHONPATH=. python3 experiments/bench_decode_attention.py [--out DIR] [--quick]
+  PYTHONPATH=. python3 experiments/bench_decode_attention.py [--out DIR] [--quick] [--sizes 8x32768,...]
+      [--triton-config '{"num_warps": 2}'] [--mosaic-config '{"num_splits": 4}']
 
 Times, at B in {1, 8}, context in {4k, 32k, 128k}, GQA 32 query / 8 kv heads, D = 128:
   xla_bf16     plain jnp/XLA attention on a bf16 cache [B, H, T, D]
   pallas_gqa   jax.experimental.pallas.ops.gpu.decode_attention.gqa (bf16, [B, T, H, D])
-  ours_bf16    pallas_kernels.decode_attention_bf16
-  ours_2b2     pallas_kernels.decode_attention, 2-bit + 2% outlier channels
-  ours_seed    pallas_kernels.decode_attention, 2-bit + 15% outlier channels (seed config)
-  mosaic_2b2   pallas_kernels.decode_attention(backend="mosaic") (Mosaic GPU kernel), 2-bit + 2%
-  mosaic_xm    (--barriers) the Mosaic kernel with explicit_barriers and merged_barriers on
-and a device copy (ceiling). Each figure is the median over repetitions of the
-mean time of many back-to-back calls, rotating over enough input copies that no
-call reads from L2; the calls on all copies form one jitted program, so host
-dispatch is paid once per program (see timeit; --dispatch-per-call for the old way). Bytes read = the cache
-bytes the method must read (bf16: K+V; quantized: every array of the cache).
+  ours_bf16    pallas_kernels.decode_attention_bf16(implementation="triton")
+  ours_2b2     pallas_kernels.decode_attention(implementation="triton"), 2-bit + 2% outlier channels
+  ours_seed    the same, 2-bit + 15% outlier channels (seed config)
+  mosaic_2b2   pallas_kernels.decode_attention(implementation="mosaic_gpu") (Hopper), 2-bit + 2%
+(--triton-config / --mosaic-config: TritonConfig / MosaicGpuConfig fields as JSON, for the
+quantized Triton / Mosaic rows) and a device copy (ceiling), measured in the same run.
+Each figure is, after a warm-up, the median over repetitions of the mean time of many
+back-to-back calls, rotating over enough input copies that no call reads from L2; the
+calls on all copies form one jitted program, so host dispatch is paid once per program
+(see timeit; --dispatch-per-call for the old way). Bytes read = the cache bytes the
+method must read (bf16: K+V; quantized: every array of the cache). Output: a table on
+stdout and OUT/bench_decode_attention.json.
 Correctness: every kernel is first compared with the float32 reference on
 ragged lengths.
 """
@@ -32,19 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.decode_attention import decode_attention, decode_attention_bf16
-from pallas_kernels import kv_quant as kq
-from pallas_kernels import decode_attention_mgpu as mgpu
-from pallas_kernels import packing
-from pallas_kernels import reference
+from pallas_kernels import decode_attention, decode_attention_bf16
+from pallas_kernels.decode_attention import MosaicGpuConfig, TritonConfig, reference
+from pallas_kernels.kv import packing
+from pallas_kernels.kv import quant as kq
 
 HQ, HKV, D = 32, 8, 128
-# Kernel options tried on ours_2b2 at the first size (--variants); the fastest is
-# then used for every quantized timing of the run (and reported).
-VARIANTS = ([dict(num_warps=w, step_tokens=t, num_splits=n)
-             for w in (1, 2) for t in (16, 32) for n in (None, 31)]
-            + [dict(num_warps=1, step_tokens=16, slots_per_step=2), dict(num_stages=2)])
-
+METHODS = ("xla_bf16", "pallas_gqa", "ours_bf16", "ours_2b2", "ours_seed", "mosaic_2b2")
 
 DISPATCH_PER_CALL = False
 
@@ -89,12 +86,13 @@ def copies(nbytes, make, budget=256 << 20, cap=32):
   return [make(i) for i in range(k)]
 
 
-def copy_bandwidth(gib=2.0):
+def copy_bandwidth(gib=2.0, f32_gib=4.0):
   """Device copy rate (bytes read + written) of a jitted ``x + 1``, back to back: the best of
-  a ``gib`` GiB bf16 array and a 4 GiB f32 one (bf16 alone read ~3.35 TB/s on an H200, f32
-  4.19: the ceiling is the faster copy). Returns (rate, its time, {name: rate})."""
+  a ``gib`` GiB bf16 array and an ``f32_gib`` GiB f32 one (bf16 alone read ~3.35 TB/s on an
+  H200, f32 4.19: the ceiling is the faster copy). Returns (rate, its time, {name: rate})."""
   rates, times = {}, {}
-  for name, dtype, n_bytes in (("bf16", jnp.bfloat16, gib * (1 << 30)), ("f32", jnp.float32, 4 << 30)):
+  for name, dtype, n_bytes in (("bf16", jnp.bfloat16, gib * (1 << 30)),
+                               ("f32", jnp.float32, f32_gib * (1 << 30))):
     x = jax.random.normal(jax.random.key(0), (int(n_bytes) // jnp.dtype(dtype).itemsize,), dtype)
     times[name] = timeit(jax.jit(lambda x: x + 1), [(x,)], target_s=0.2)
     rates[name] = 2 * x.nbytes / times[name]
@@ -139,17 +137,19 @@ def main():
   ap.add_argument("--copy-gib", type=float, default=2.0)
   ap.add_argument("--dispatch-per-call", action="store_true",
                   help="one host dispatch per timed call (the method before session 8)")
-  ap.add_argument("--variants", action="store_true", help="also time num_warps / num_splits variants")
-  ap.add_argument("--barriers", action="store_true",
-                  help="also time the Mosaic kernel with explicit_barriers and merged_barriers (mosaic_xm)")
+  ap.add_argument("--triton-config", default="{}", help="TritonConfig fields as JSON (quantized rows)")
+  ap.add_argument("--mosaic-config", default="{}", help="MosaicGpuConfig fields as JSON")
   args = ap.parse_args()
+  triton_cfg = TritonConfig(**json.loads(args.triton_config))
+  mosaic_cfg = MosaicGpuConfig(**json.loads(args.mosaic_config))
   global DISPATCH_PER_CALL
   DISPATCH_PER_CALL = args.dispatch_per_call
   os.makedirs(args.out, exist_ok=True)
   start = time.time()
   dev = jax.devices()[0]
   info = {"date": time.strftime("%Y-%m-%d"), "device": dev.device_kind, "jax": jax.__version__,
-          "backend": jax.default_backend()}
+          "backend": jax.default_backend(), "triton_config": repr(triton_cfg),
+          "mosaic_config": repr(mosaic_cfg)}
   log("env", info)
 
   bw, tcopy, rates = copy_bandwidth(args.copy_gib)
@@ -160,7 +160,7 @@ def main():
 
   rng = np.random.default_rng(0)
   for bits in (2, 3, 4, 8):
-    kw = dict(axis=1, stride=kq.PACK_STRIDE, word_bits=kq.WORD_BITS)
+    kw = dict(axis=1, stride=kq.PACK_STRIDE, word_bits=kq.WORD_BITS)   # the cache's layout
     p = packing.pack_block(bits, kq.PACK_STRIDE, kq.WORD_BITS)
     codes = jnp.asarray(rng.integers(0, 1 << bits, size=(8, 4 * p, 128)), jnp.uint8)
     try:
@@ -180,10 +180,8 @@ def main():
     gqa = None
 
   two_bit = kq.KVQuantConfig(bits=2, outlier_fraction=0.02)
-  configs = {"mosaic_2b2": two_bit}
-  if args.barriers:                                   # beside the default, before the Triton rows
-    configs["mosaic_xm"] = two_bit
-  configs.update(ours_2b2=two_bit, ours_seed=kq.KVQuantConfig(bits=2, outlier_fraction=0.15))
+  configs = {"mosaic_2b2": two_bit, "ours_2b2": two_bit,
+             "ours_seed": kq.KVQuantConfig(bits=2, outlier_fraction=0.15)}
   sizes = [(8, 32768), (1, 32768), (8, 131072), (1, 131072), (8, 4096), (1, 4096)]
   if args.quick:
     sizes = [(8, 32768)]
@@ -192,12 +190,9 @@ def main():
   rows = []
   checks = {}
   xla_fn = jax.jit(xla_attention)
-  ours_bf16 = jax.jit(lambda q, k, v, L: decode_attention_bf16(q, k, v, L))
-  best_kw = {}
-  ours_q = jax.jit(lambda q, c: decode_attention(q, c, backend="triton"))
-  mosaic_q = jax.jit(lambda q, c: decode_attention(q, c, backend="mosaic"))
-  mosaic_xm = jax.jit(lambda q, c: mgpu.decode_attention_mgpu(
-      q, c, sm_scale=1 / math.sqrt(D), explicit_barriers=True, merged_barriers=True))
+  ours_bf16 = jax.jit(lambda q, k, v, L: decode_attention_bf16(q, k, v, L, implementation="triton"))
+  ours_q = jax.jit(lambda q, c: decode_attention(q, c, implementation="triton", config=triton_cfg))
+  mosaic_q = jax.jit(lambda q, c: decode_attention(q, c, implementation="mosaic_gpu", config=mosaic_cfg))
   quantize = {cfg: jax.jit(lambda k, v, L, cfg=cfg: kq.quantize_kv(k, v, cfg, lengths=L))
               for cfg in configs.values()}                  # one compile per distinct config
 
@@ -250,7 +245,7 @@ def main():
         continue
       try:
         tq = time.time()
-        fn = mosaic_xm if name == "mosaic_xm" else mosaic_q if name.startswith("mosaic") else ours_q
+        fn = mosaic_q if name.startswith("mosaic") else ours_q
         if do_check:
           cr = quantize[cfg](k, v, ragged)
           out = fn(q, cr)
@@ -265,29 +260,6 @@ def main():
                      "bits_per_element": c.bits_per_element, "setup_s": time.time() - tq}
         log(f"B={b} T={t} {name:10s} {tm * 1e3:8.3f} ms {nbytes / tm / 1e12:6.2f} TB/s "
             f"({c.bits_per_element:.2f} bits/elem, {time.time() - tq:.1f}s incl. compile)")
-        if args.variants and (b, t) == sizes[0] and name == "ours_2b2":
-          ref_full = reference.quantized_decode_attention(q, c)
-          best = (tm, best_kw)
-          for kw in VARIANTS:
-            if kw == best_kw:
-              continue
-            tag = ",".join(f"{a}={x}" for a, x in kw.items()) or "default"
-            f = jax.jit(lambda q, c, kw=kw: decode_attention(q, c, backend="triton", **kw))
-            try:
-              checks[f"B{b}_T{t}_{name}[{tag}]"] = rel_err(f(q, c), ref_full)
-              tv = timeit(f, sets)
-              res[f"{name}[{tag}]"] = {"ms": tv * 1e3, "bytes": nbytes, "TBps": nbytes / tv / 1e12}
-              log(f"   variant {tag}: {tv * 1e3:.3f} ms {nbytes / tv / 1e12:.2f} TB/s")
-              if tv < best[0]:
-                best = (tv, kw)
-            except Exception as e:  # noqa: BLE001
-              log(f"   variant {tag} failed: {repr(e)[:600]}")
-          if best[1] != best_kw:
-            best_kw = best[1]
-            ours_q = jax.jit(lambda q, c, kw=best_kw: decode_attention(q, c, backend="triton", **kw))
-            res[name] = dict(res[name], ms=best[0] * 1e3, TBps=nbytes / best[0] / 1e12)
-          info["kernel_options"] = best_kw
-          log(f"   using {best_kw or 'defaults'} from here on")
         del sets, c
       except Exception as e:  # noqa: BLE001
         log(f"B={b} T={t} {name} failed: {repr(e)[:1500]}")
@@ -299,19 +271,16 @@ def main():
   for kname, e in checks.items():
     log(f"  {kname:32s} {e:.2e}")
   log(f"\n{info}")
-  hdr = f"{'B':>2} {'T':>7} | " + " | ".join(f"{m:>20s}" for m in
-                                             ("xla_bf16", "pallas_gqa", "ours_bf16", "ours_2b2", "ours_seed",
-                                              "mosaic_2b2", "mosaic_xm"))
-  log(hdr)
+  log(f"{'B':>2} {'T':>7} | " + " | ".join(f"{m:>20s}" for m in METHODS))
   for r in rows:
     cells = []
-    for m in ("xla_bf16", "pallas_gqa", "ours_bf16", "ours_2b2", "ours_seed", "mosaic_2b2", "mosaic_xm"):
+    for m in METHODS:
       x = r.get(m)
       cells.append(f"{x['ms']:8.3f}ms {x['TBps']:5.2f}TB/s" if x else f"{'-':>20s}")
     log(f"{r['B']:>2} {r['T']:>7} | " + " | ".join(cells))
   # the issue's target (B=8, 32k): >= 60 % of the copy on bytes read, >= 6x bf16 XLA
   for r in rows:
-    for m in ("ours_2b2", "mosaic_2b2", "mosaic_xm"):
+    for m in ("ours_2b2", "mosaic_2b2"):
       if m in r and "xla_bf16" in r:
         log(f"B={r['B']} T={r['T']} {m}: {100 * r[m]['TBps'] / info['copy_TBps']:.0f} % of copy "
             f"({info['copy_TBps']:.2f} TB/s), {r['xla_bf16']['ms'] / r[m]['ms']:.2f}x xla_bf16")

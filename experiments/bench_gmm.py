@@ -28,7 +28,17 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import pallas_kernels as gmm_lib  # noqa: E402  (gmm_lib.gmm is the public function)
-from pallas_kernels.gmm_plan import GmmTiling, default_tiling  # noqa: E402
+from pallas_kernels import (  # noqa: E402
+    GmmTiling, dequantize_expert_weights, default_tiling, quantize_expert_weights)
+from pallas_kernels.gmm import reference as ref  # noqa: E402
+from pallas_kernels.gmm import triton as gmm_triton  # noqa: E402
+
+
+def tiling(bm, bk, bn, **kw):
+  """A full Triton config: the fields not given take the values GmmTiling had as defaults
+  (a GmmTiling field left None would be the heuristic's choice instead)."""
+  fixed = dict(split_k=1, group_m=8, num_warps=4, num_stages=3, expert_major=False)
+  return GmmTiling(bm, bk, bn, **{**fixed, **kw})
 
 
 def import_tokamax():
@@ -107,9 +117,9 @@ def rel_err(a, b):
 # --- implementations: f(x, w, gs) -> out, all on the same inputs --------------
 
 
-def impls(tokamax, interpret, tiling=None):
+def impls(tokamax, interpret, config=None):
   out = {
-      "gmm": lambda x, w, gs: gmm_lib.gmm(x, w, gs, tiling=tiling, interpret=interpret),
+      "gmm": lambda x, w, gs: gmm_lib.gmm(x, w, gs, config=config, interpret=interpret),
       "ragged_dot": lambda x, w, gs: jax.lax.ragged_dot(x, w, gs),
   }
   if tokamax is not None:
@@ -157,7 +167,6 @@ def skewed_sizes(rng, m, e):
 
 def check_gpu(interpret, results, shapes):
   """Our gmm / grads vs the plain reference on small random shapes (zeros, tails)."""
-  from pallas_kernels import reference as ref
   rng = np.random.default_rng(123)
   for (m, k, n, e) in shapes:
     sizes = rng.integers(0, max(2, 2 * m // e), e)
@@ -171,7 +180,6 @@ def check_gpu(interpret, results, shapes):
     tail_zero = bool(jnp.all(out[int(sizes.sum()):] == 0))
     _, dx, dw = fwd_bwd(lambda x, w, gs: gmm_lib.gmm(x, w, gs, interpret=interpret))(x, w, gs, dy)
     _, rdx, rdw = fwd_bwd(lambda x, w, gs: ref.gmm(x, w, gs))(x, w, gs, dy)
-    from pallas_kernels.gmm_quant import quantize_expert_weights, dequantize_expert_weights
     qerrs = {}
     for bits, gsz in ((8, None), (4, None), (4, 64 if k % 128 == 0 else None)):
       q = quantize_expert_weights(w, bits=bits, group_size=gsz)
@@ -242,9 +250,10 @@ def main():
     if dense:
       fs["dense_einsum"] = dense_einsum(e)
     for tl in sweep_tilings:
+      tl = tl.resolve(m, k, n, e)  # fields left None: the heuristic's, shown in the label
       fs[f"gmm[{tl.bm},{tl.bk},{tl.bn},s{tl.split_k},w{tl.num_warps},st{tl.num_stages}"
          f"{',g' + str(tl.group_m) if tl.group_m != 8 else ''}{',em' if tl.expert_major else ''}]"] = (
-          lambda x, w, gs, tl=tl: gmm_lib.gmm(x, w, gs, tiling=tl, interpret=interpret))
+          lambda x, w, gs, tl=tl: gmm_lib.gmm(x, w, gs, config=tl, interpret=interpret))
     total = int(np.asarray(gs).sum())
     want = jax.jit(lambda x, w, gs: jax.lax.ragged_dot(
         x, w, gs, preferred_element_type=jnp.float32))(x, w, gs)[:total]
@@ -273,29 +282,25 @@ def main():
 
   def bwd_parts(case, x, w, gs, dy, dlhs_tilings, tgmm_tilings):
     """The two backward kernels alone, for a few tilings each."""
-    from pallas_kernels.gmm_gpu import gmm_gpu, tgmm_gpu
-    from pallas_kernels.gmm_plan import make_tile_metadata
     m, k = x.shape
     e, _, n = w.shape
     flops = 2.0 * float(np.asarray(gs).sum()) * k * n
     for tl in dlhs_tilings:
-      f = jax.jit(lambda dy, w, gs, tl=tl: gmm_gpu(
-          dy, w, make_tile_metadata(gs, m, tl.bm), n=k, tiling=tl, transpose_rhs=True,
-          out_dtype=x.dtype, interpret=bool(interpret)))
+      f = jax.jit(lambda dy, w, gs, tl=tl: gmm_triton.gmm(
+          dy, w, gs, o=k, config=tl, transpose_rhs=True, out_dtype=x.dtype,
+          interpret=bool(interpret)))
       t = time_fn(f, (dy, w, gs), reps=reps)
       record(case, "dlhs", f"gmm_T[{tl.bm},{tl.bk},{tl.bn},w{tl.num_warps},st{tl.num_stages}]",
              t, flops, 0.0)
     for tl in tgmm_tilings:
-      f = jax.jit(lambda x, dy, gs, tl=tl: tgmm_gpu(
-          x, dy, make_tile_metadata(gs, m, tl.bm).offsets_E1, num_groups=e, tiling=tl,
-          lhs_km=False, out_dtype=w.dtype, interpret=bool(interpret)))
+      f = jax.jit(lambda x, dy, gs, tl=tl: gmm_triton.tgmm(
+          x, dy, gs, config=tl, lhs_im=False, out_dtype=w.dtype, interpret=bool(interpret)))
       t = time_fn(f, (x, dy, gs), reps=reps)
       record(case, "drhs", f"tgmm[{tl.bm},{tl.bk},{tl.bn},w{tl.num_warps},st{tl.num_stages}]",
              t, flops, 0.0)
 
   def quant_decode(case, x, w, gs, sizes):
     """Weight-only int8 / int4 experts at decode: bytes are the routed experts' codes + scales."""
-    from pallas_kernels.gmm_quant import quantize_expert_weights, dequantize_expert_weights
     for bits in (8, 4):
       try:
         q = quantize_expert_weights(w, bits=bits)
@@ -321,29 +326,29 @@ def main():
   if "a" in cases:
     m, k, n, e = sz["a"]
     x, w, gs, dy = make_inputs(key, m, k, n, e, [m // e] * e)
-    sweep = [GmmTiling(128, 64, 256, num_warps=8, num_stages=4),
-             GmmTiling(128, 64, 256, num_warps=8, num_stages=3, group_m=16)] if args.sweep else []
+    sweep = [tiling(128, 64, 256, num_warps=8, num_stages=4),
+             tiling(128, 64, 256, num_warps=8, num_stages=3, group_m=16)] if args.sweep else []
     run_case("a_mixtral_16k", x, w, gs, dy, dense=True, sweep_tilings=sweep)
     if args.sweep:
       bwd_parts("a_mixtral_16k", x, w, gs, dy,
-                [default_tiling(m, n, k, e), GmmTiling(128, 64, 128, num_warps=4, num_stages=4)],
+                [default_tiling(m, n, k, e), tiling(128, 64, 128, num_warps=4, num_stages=4)],
                 [default_tiling(m, k, n, e, op="tgmm"),
-                 GmmTiling(64, 128, 256, num_warps=8, num_stages=3),
-                 GmmTiling(32, 128, 128, num_warps=4, num_stages=4)])
+                 tiling(64, 128, 256, num_warps=8, num_stages=3),
+                 tiling(32, 128, 128, num_warps=4, num_stages=4)])
     del x, w, dy
   if "b" in cases:
     m, k, n, e = sz["b"]
     for label, sizes in (("balanced", [m // e] * e), ("skewed", skewed_sizes(rng, m, e))):
       x, w, gs, dy = make_inputs(key, m, k, n, e, sizes)
-      sweep = [GmmTiling(128, 64, 256, num_warps=8, num_stages=3),
-               GmmTiling(128, 128, 128, num_warps=8, num_stages=3)] if args.sweep else []
+      sweep = [tiling(128, 64, 256, num_warps=8, num_stages=3),
+               tiling(128, 128, 128, num_warps=8, num_stages=3)] if args.sweep else []
       run_case(f"b_olmoe_{label}", x, w, gs, dy, dense=label == "balanced", sweep_tilings=sweep)
       if args.sweep and label == "balanced":
         bwd_parts(f"b_olmoe_{label}", x, w, gs, dy,
-                  [default_tiling(m, n, k, e), GmmTiling(128, 64, 256, num_warps=8, num_stages=3)],
+                  [default_tiling(m, n, k, e), tiling(128, 64, 256, num_warps=8, num_stages=3)],
                   [default_tiling(m, k, n, e, op="tgmm"),
-                   GmmTiling(64, 128, 256, num_warps=8, num_stages=3),
-                   GmmTiling(32, 128, 128, num_warps=4, num_stages=4)])
+                   tiling(64, 128, 256, num_warps=8, num_stages=3),
+                   tiling(32, 128, 128, num_warps=4, num_stages=4)])
       del x, w, dy
   if "c" in cases:
     _, k, n, e = sz["c"]

@@ -23,7 +23,7 @@ from moejax.data import TokenDataset, spread_val_batches, train_batch, val_batch
 from moejax.generate import TrainedModel
 from moejax.model.kv_cache import (OutlierStats, QuantizedKVCache, TeacherForcedQuantKV,
                                    kv_quant_config)
-from pallas_kernels import kv_quant as pk
+from pallas_kernels.kv import quant as pk
 
 CALIBRATION_FILE = "kv_outliers.npz"
 CONTEXTS = (4096, 32768, 131072)

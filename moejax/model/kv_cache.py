@@ -22,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import kv_quant as pk
+from pallas_kernels.kv import quant as pk
 from pallas_kernels.decode_attention import decode_attention
 from moejax.config import KVCacheConfig
 from moejax.model.attention import causal_mask, gqa_attention
