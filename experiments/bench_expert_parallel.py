@@ -7,8 +7,10 @@ CPU check (8 virtual devices share the host cores: validates the script, not sca
       model.num_layers=2 data.seq_len=32 --devices 1 2 4 8 --steps 3 --warmup 1 --decode-steps 5
 
 Config: configs/tiny.yaml (or --config), then --preset gpu, then key=value overrides.
-Every run uses the framework's own path: parallel.make_mesh over the first n devices,
-place_state, jit_train_step (tokens split over data x expert, expert weights over `expert`).
+Every run uses the framework's own path: parallel.make_mesh over the first n devices, a
+model built with parallel.expert_parallel(mesh, mesh.exchange), place_state, jit_train_step
+(tokens split over data x expert, expert weights over `expert`). The dropless exchange is
+the config's mesh.exchange (auto | ragged | padded), e.g. `mesh.exchange=padded`.
 
   weak    n devices train E = E0*n experts on B = B0*n sequences, mesh expert=n (E_l = E0).
           B0 = data.batch_size / max(n) unless --weak-batch. Efficiency t1 / tn.
@@ -51,8 +53,6 @@ from flax import nnx
 from moejax import parallel
 from moejax.config import load_config
 from moejax.model.transformer import active_params
-from moejax.parallel.context import with_mesh
-from moejax.parallel.dispatch import resolve_exchange
 from moejax.parallel.mesh import token_shards
 from moejax.state import build_model, init_state, make_train_step, split_model
 
@@ -136,7 +136,8 @@ def timed(fn, reps: int) -> list[float]:
 def bench_train(cfg, n: int, steps: int, warmup: int) -> dict:
   """Real step and no-exchange step, interleaved; -> times and shapes."""
   mesh = mesh_over(cfg, n)
-  graphdef, state0 = init_state(cfg)
+  ep = parallel.expert_parallel(mesh, cfg.mesh.exchange)
+  graphdef, state0 = init_state(cfg, build_model(cfg, cfg.train.seed, ep))
   state0 = parallel.place_state(mesh, state0)
   train_step = make_train_step(cfg, graphdef)
   calls: list = []
@@ -182,7 +183,8 @@ def bench_decode(cfg, n: int, batch: int, steps: int, warmup: int) -> dict:
   mesh = mesh_over(cfg, n)
   n_tok = token_shards(mesh) if mesh is not None else 1
   Bp = -(-batch // n_tok) * n_tok   # padded to a multiple of data*expert
-  graphdef, params, buffers = split_model(build_model(cfg, cfg.train.seed))
+  ep = parallel.expert_parallel(mesh, cfg.mesh.exchange)
+  graphdef, params, buffers = split_model(build_model(cfg, cfg.train.seed, ep))
 
   def decode_step(params, buffers, tok_B1):
     logits_B1V, _, _ = nnx.merge(graphdef, params, buffers)(tok_B1)
@@ -195,7 +197,7 @@ def bench_decode(cfg, n: int, batch: int, steps: int, warmup: int) -> dict:
     params = parallel.place(params, mesh)
     buffers = parallel.place(buffers, mesh)
     bsh = parallel.batch_sharding(mesh)
-    jit = lambda f: jax.jit(with_mesh(mesh, f), out_shardings=bsh, in_shardings=(
+    jit = lambda f: jax.jit(f, out_shardings=bsh, in_shardings=(
         parallel.tree_shardings(params, mesh), parallel.tree_shardings(buffers, mesh), bsh))
   else:
     jit = jax.jit
@@ -289,7 +291,8 @@ def main():
          "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
          "n_available": avail, "jax": jax.__version__, "nccl_env": nccl,
          "xla_flags": os.environ.get("XLA_FLAGS", ""), "config": base,
-         "exchange": resolve_exchange("auto"), "steps": args.steps, "warmup": args.warmup,
+         "exchange": parallel.resolve_exchange(cfg0.mesh.exchange), "steps": args.steps,
+         "warmup": args.warmup,
          "weak": [], "strong": [], "decode": []}
   print(f"devices {devices} of {avail} {jax.default_backend()}; E0={E0} B={B} B0(weak)={B0}; "
         f"exchange {res['exchange']}; NCCL env {nccl}", flush=True)

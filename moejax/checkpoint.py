@@ -3,7 +3,9 @@
 Each step directory holds `state` (every array of the TrainState, keyed by its pytree path)
 and `meta` (JSON: the config and the data position). orbax writes into a temporary
 directory and renames it when complete, so an interrupted save never damages the
-checkpoints already written.
+checkpoints already written. Resuming restores the whole TrainState; evaluation and
+generation restore only params and buffers (`restore_params`, an orbax partial restore),
+so they never read or allocate the optimizer state.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from moejax.config import Config, from_dict
+from moejax.state import TrainState
 
 
 class CheckpointMismatchError(ValueError):
@@ -32,7 +35,8 @@ def _unflatten(template, flat: dict[str, Any]):
 
 
 def _abstract(x):
-  sharding = getattr(x, "sharding", None)
+  """Restore target of one array: its shape, dtype and sharding (default: first device)."""
+  sharding = getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
@@ -63,8 +67,12 @@ class Checkpointer:
 
   def __init__(self, directory: str | Path, keep: int = 3):
     self.directory = Path(directory).absolute()
+    # One handler for `state` whatever the call: a full and a partial restore need the
+    # PyTree handler (the Standard one cannot restore a subset), and saves must match it.
     self.manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        item_handlers={"state": ocp.PyTreeCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -72,7 +80,7 @@ class Checkpointer:
   def save(self, step: int, state, cfg: Config, extra: dict | None = None, wait: bool = False):
     meta = {"config": cfg.to_dict(), "step": int(step), **(extra or {})}
     self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(_flatten(state)), meta=ocp.args.JsonSave(meta)), force=True)
+        state=ocp.args.PyTreeSave(_flatten(state)), meta=ocp.args.JsonSave(meta)), force=True)
     if wait:
       self.manager.wait_until_finished()
 
@@ -83,7 +91,10 @@ class Checkpointer:
     return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
   def restore(self, template, cfg: Config, step: int | None = None):
-    """Restores into the structure (and shardings) of `template`. -> (state, meta)."""
+    """Restores into the structure (and shardings) of `template`, whose leaves may be arrays
+    or jax.ShapeDtypeStructs. -> (state, meta). Every array of the template must be in the
+    checkpoint; arrays the template lacks (e.g. opt_state=None) are neither read nor
+    allocated."""
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
@@ -93,17 +104,24 @@ class Checkpointer:
       raise CheckpointMismatchError(
           f"checkpoint {self.directory}/{step} does not match the config:\n  " + "\n  ".join(problems))
     flat_template = _flatten(template)
-    abstract = {k: _abstract(v) for k, v in flat_template.items()}
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract)))["state"]
-    missing = set(flat_template) - set(restored)
+    saved = set(self.manager.item_metadata(step)["state"])
+    missing = set(flat_template) - saved
     if missing:
       raise CheckpointMismatchError(f"checkpoint lacks arrays: {sorted(missing)[:5]}")
+    abstract = {k: _abstract(v) for k, v in flat_template.items()}
+    restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+        partial_restore=True)))["state"]
     for k, v in flat_template.items():
       if tuple(restored[k].shape) != tuple(v.shape):
         raise CheckpointMismatchError(
             f"array {k}: checkpoint shape {restored[k].shape}, model shape {v.shape}")
     return _unflatten(template, restored), meta
+
+  def restore_params(self, params, buffers, cfg: Config, step: int | None = None):
+    """Only the model's arrays, for evaluation and generation. -> (params, buffers, meta)."""
+    state, meta = self.restore(TrainState(params, buffers, None, None, None), cfg, step)
+    return state.params, state.buffers, meta
 
   def wait(self):
     self.manager.wait_until_finished()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import typing
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,11 @@ import yaml
 
 class ConfigError(ValueError):
   """A config value or key that cannot be used; the message says which."""
+
+
+# mesh.exchange, the dropless expert-parallel token exchange (parallel/dispatch.py). auto:
+# ragged_all_to_all where XLA has it (GPU, TPU), else the padded all_to_all stand-in.
+EXCHANGES = ("auto", "ragged", "padded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +114,7 @@ class MeshConfig:
   expert: int = 1
   model: int = 1
   fsdp: bool = False             # also shard non-expert weights (embed dim) along `data`
+  exchange: str = "auto"         # dropless EP token exchange: auto | ragged | padded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,13 +269,15 @@ _CHOICES = {
     "kv_cache.key_axis": ("channel", "token"),
     "kv_cache.value_axis": ("channel", "token"),
     "kv_cache.meta_dtype": ("float8_e4m3fn", "bfloat16", "float16"),
+    "mesh.exchange": EXCHANGES,
 }
 
 
 def validate(cfg: Config) -> None:
   """Raises ConfigError naming the first impossible setting."""
   m, e, d, t, kv = cfg.model, cfg.moe, cfg.data, cfg.train, cfg.kv_cache
-  for section, obj in (("model", m), ("moe", e), ("data", d), ("train", t), ("kv_cache", kv)):
+  for section, obj in (("model", m), ("moe", e), ("data", d), ("train", t), ("kv_cache", kv),
+                       ("mesh", cfg.mesh)):
     for f in dataclasses.fields(obj):
       choice = _CHOICES.get(f"{section}.{f.name}")
       value = getattr(obj, f.name)
@@ -353,9 +360,3 @@ def is_moe_layer(cfg: Config, layer: int) -> bool:
   e = cfg.moe
   return layer >= e.first_dense_layers and (layer - e.first_dense_layers) % e.moe_every == 0
 
-
-def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-  """Slots per expert. Dropless (cf=0): every token could pick one expert, so T slots."""
-  if capacity_factor <= 0:
-    return num_tokens
-  return max(1, min(num_tokens, math.ceil(capacity_factor * num_tokens * top_k / num_experts)))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 
 from moejax.data import TokenDataset, spread_val_batches, val_batches
 
@@ -13,15 +14,17 @@ def evaluate(eval_step, params, buffers, data: TokenDataset, batch_size: int, se
 
   max_batches=None scores the whole split in order; otherwise max_batches batches of windows
   spread evenly over it. Bits per byte counts the UTF-8 bytes of exactly the targets scored.
+  The batches' sums stay on device until all are dispatched: one transfer at the end.
   """
-  total_nll, total_tokens, total_bytes = 0.0, 0, 0
+  sums, total_bytes = [], 0
   batches = (val_batches(data.val, batch_size, seq_len, drop_remainder=True) if max_batches is None
              else spread_val_batches(data.val, batch_size, seq_len, max_batches))
   for inputs, targets in batches:
-    nll, count = eval_step(params, buffers, inputs, targets)
-    total_nll += float(nll)
-    total_tokens += int(count)
+    sums.append(eval_step(params, buffers, inputs, targets))
     total_bytes += int(data.tokenizer.byte_count(targets))
+  host = jax.device_get(sums)
+  total_nll = sum(float(nll) for nll, _ in host)
+  total_tokens = sum(int(count) for _, count in host)
   if total_tokens == 0:
     raise ValueError(f"validation split too small for one batch of {batch_size}x{seq_len} tokens")
   loss = total_nll / total_tokens

@@ -15,7 +15,7 @@ from moejax.config import Config, with_overrides
 from moejax.data import Tokenizer
 from moejax.model.kv_cache import DenseKVCache
 from moejax.run_io import load_tokenizer
-from moejax.state import init_state
+from moejax.state import abstract_model
 
 
 @dataclasses.dataclass
@@ -32,14 +32,17 @@ class TrainedModel:
 
 
 def load_trained(run_dir: str | Path, overrides: list[str] | None = None) -> TrainedModel:
-  """Restores the latest checkpoint of a run directory (written by `moejax train`)."""
+  """Restores the model of a run directory's latest checkpoint (written by `moejax train`):
+  params and router biases only, into an abstract target (no optimizer state, no
+  initialization)."""
   run_dir = Path(run_dir)
   if not (run_dir / "checkpoints").is_dir():
     raise FileNotFoundError(f"{run_dir} is not a run directory (no checkpoints/ inside)")
   cfg = with_overrides(load_run_config(run_dir), overrides or [])
-  graphdef, template = init_state(cfg)
-  state, meta = Checkpointer(run_dir / "checkpoints").restore(template, cfg)
-  return TrainedModel(cfg, graphdef, state.params, state.buffers, load_tokenizer(cfg, run_dir),
+  graphdef, params, buffers = abstract_model(cfg)
+  params, buffers, meta = Checkpointer(run_dir / "checkpoints").restore_params(
+      params, buffers, cfg)
+  return TrainedModel(cfg, graphdef, params, buffers, load_tokenizer(cfg, run_dir),
                       int(meta["step"]))
 
 

@@ -8,7 +8,7 @@ TrainState is a plain pytree so that jit, shardings and orbax see arrays only:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,9 @@ from moejax.config import Config
 from moejax.model import routing
 from moejax.model.moe import RouterBias
 from moejax.model.transformer import Transformer
+
+if TYPE_CHECKING:
+  from moejax.parallel.dispatch import ExpertParallel
 
 
 @jax.tree_util.register_dataclass
@@ -31,15 +34,23 @@ class TrainState:
   rng: jax.Array
 
 
-def build_model(cfg: Config, seed: int) -> Transformer:
-  return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+def build_model(cfg: Config, seed: int, ep: ExpertParallel | None = None) -> Transformer:
+  """ep: the MoE layers' expert-parallel dispatch (parallel.expert_parallel), None on one device."""
+  return Transformer(cfg, rngs=nnx.Rngs(params=seed), ep=ep)
 
 
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+def lr_schedule(cfg: Config) -> optax.Schedule:
+  """Linear warmup from 0 to train.lr, cosine decay to lr * min_lr_ratio at train.steps."""
   t = cfg.train
-  schedule = optax.warmup_cosine_decay_schedule(
+  return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=t.lr, warmup_steps=min(t.warmup_steps, t.steps),
       decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.lr * t.min_lr_ratio)
+
+
+def make_optimizer(cfg: Config, schedule: optax.Schedule | None = None
+                   ) -> optax.GradientTransformation:
+  t = cfg.train
+  schedule = lr_schedule(cfg) if schedule is None else schedule
   # No weight decay on norms scales (1-D parameters).
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   return optax.chain(
@@ -47,17 +58,16 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
       optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask))
 
 
-def learning_rate(cfg: Config, step) -> jax.Array:
-  t = cfg.train
-  return optax.warmup_cosine_decay_schedule(
-      0.0, t.lr, min(t.warmup_steps, t.steps), max(t.steps, t.warmup_steps + 1),
-      t.lr * t.min_lr_ratio)(step)
-
-
 def split_model(model: Transformer):
   """-> (graphdef, params, buffers)."""
   graphdef, params, buffers = nnx.split(model, nnx.Param, RouterBias)
   return graphdef, params, buffers
+
+
+def abstract_model(cfg: Config):
+  """(graphdef, params, buffers) with jax.ShapeDtypeStruct leaves: a restore target that
+  allocates nothing (see Checkpointer.restore_params)."""
+  return split_model(nnx.eval_shape(lambda: build_model(cfg, cfg.train.seed)))
 
 
 def init_state(cfg: Config, model: Transformer | None = None) -> tuple[Any, TrainState]:
@@ -104,7 +114,8 @@ def update_router_biases(cfg: Config, graphdef, params, buffers, load_LE):
 
 
 def make_train_step(cfg: Config, graphdef):
-  tx = make_optimizer(cfg)
+  schedule = lr_schedule(cfg)
+  tx = make_optimizer(cfg, schedule)
 
   def train_step(state: TrainState, inputs_BT, targets_BT):
     grad_fn = jax.value_and_grad(
@@ -118,7 +129,7 @@ def make_train_step(cfg: Config, graphdef):
       buffers = update_router_biases(cfg, graphdef, params, buffers, metrics["load_LE"])
     metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(g.astype(jnp.float32) ** 2)
                                        for g in jax.tree.leaves(grads)))
-    metrics["lr"] = learning_rate(cfg, state.step)
+    metrics["lr"] = schedule(state.step)   # the rate this step's update used
     return TrainState(params, buffers, opt_state, state.step + 1, state.rng), metrics
 
   return train_step

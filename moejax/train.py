@@ -2,6 +2,10 @@
 
 A resumed run continues exactly as an uninterrupted one: batch i depends only on
 (seed, i), and params, optimizer state, router biases, step and RNG are restored.
+
+The loop never waits for a step's result: metrics stay on device and reach the host in one
+transfer at log, eval and checkpoint steps (and on Ctrl-C), where a NaN/inf loss of any
+step since the last fetch stops the run before anything is evaluated or saved.
 """
 from __future__ import annotations
 
@@ -69,6 +73,47 @@ class _Writers:
       self.tb.close()
 
 
+class _PendingMetrics:
+  """The steps' metrics since the last fetch (on device) and the load sums fetched so far."""
+
+  def __init__(self, num_moe_layers: int, num_experts: int):
+    self.pending: list[tuple[int, dict]] = []      # (step, metrics on device)
+    self.load_sum = np.zeros((num_moe_layers, num_experts))   # since the last log record
+    self.dropped_sum = np.zeros(num_moe_layers)
+    self.interval_steps = 0
+    self.run_load = np.zeros_like(self.load_sum)   # whole run, for the plot
+    self.last: dict = {}                           # host metrics of the latest fetched step
+
+  def add(self, step: int, metrics: dict):
+    self.pending.append((step, metrics))
+
+  def fetch(self) -> tuple[int, float] | None:
+    """One device->host transfer of every pending step. -> (step, loss) of the first
+    non-finite loss (later steps are not counted), or None."""
+    steps = [s for s, _ in self.pending]
+    host = jax.device_get([m for _, m in self.pending])
+    self.pending.clear()
+    for step, m in zip(steps, host):
+      loss = float(m["loss"])
+      if not math.isfinite(loss):
+        return step, loss
+      if "load_LE" in m:
+        self.load_sum += m["load_LE"]
+        self.run_load += m["load_LE"]
+        self.dropped_sum += m["dropped_L"]
+        self.interval_steps += 1
+      self.last = m
+    return None
+
+  def interval_load_stats(self) -> dict:
+    """_load_stats over the steps since the last call, then starts a new interval."""
+    out = _load_stats(self.load_sum, self.dropped_sum / max(self.interval_steps, 1))
+    self.load_sum[:] = 0
+    self.dropped_sum[:] = 0
+    self.interval_steps = 0
+    return out
+
+
 def _read_history(path: Path, upto: int) -> tuple[list, list]:
   """(train, val) loss curves from metrics.jsonl, ignoring records past `upto`
   (left by a run that stopped after its last checkpoint)."""
@@ -90,6 +135,7 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
   t = cfg.train
   parallel.maybe_initialize_distributed()
   mesh = parallel.mesh_for_config(cfg)   # None on one device: the plain single-device path
+  ep = parallel.expert_parallel(mesh, cfg.mesh.exchange)   # None without a mesh
   rules = parallel.FSDP_RULES if cfg.mesh.fsdp else None
   out_dir = Path(t.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
@@ -99,7 +145,7 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
     raise ValueError(f"tokenizer has {data.tokenizer.vocab_size} tokens, "
                      f"model.vocab_size is {cfg.model.vocab_size}")
 
-  model = build_model(cfg, t.seed)
+  model = build_model(cfg, t.seed, ep)
   n_params, n_active = count_params(model), active_params(cfg)
   graphdef, state = init_state(cfg, model)
   state = parallel.place_state(mesh, state, rules)   # restore below reads into these shardings
@@ -121,10 +167,7 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
           + f" over {mesh.size} {jax.default_backend()} devices")
   B, T = cfg.data.batch_size, cfg.data.seq_len
   writers = _Writers(out_dir, t.tensorboard)
-  load_sum = np.zeros((len(moe_layers), cfg.moe.num_experts))
-  run_load = np.zeros_like(load_sum)
-  dropped_sum = np.zeros(len(moe_layers))
-  interval_steps = 0  # steps accumulated in load_sum / dropped_sum since the last log record
+  metrics = _PendingMetrics(len(moe_layers), cfg.moe.num_experts)
   last_eval: dict = {}
   step = start
   tokens_done, t0 = 0, None
@@ -133,52 +176,55 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
   def save(wait=False):
     ckpt.save(step, state, cfg, {"data_step": step}, wait=wait)
 
+  def fetch_or_stop():
+    bad = metrics.fetch()
+    if bad is not None:
+      raise NonFiniteLossError(
+          f"loss became {bad[1]} at step {bad[0]}; stopped without saving. The last good "
+          f"checkpoint is step {ckpt.latest_step()} in {ckpt.directory}")
+
   try:
     while step < t.steps:
       inputs, targets = train_batch(data.train, B, T, t.seed, step)
       state, m = step_fn(state, inputs, targets)
-      loss = float(m["loss"])
       step += 1
-      if not math.isfinite(loss):
-        raise NonFiniteLossError(
-            f"loss became {loss} at step {step}; stopped without saving. The last good "
-            f"checkpoint is step {ckpt.latest_step()} in {ckpt.directory}")
-      if t0 is None:  # first step includes compilation: start the clock after it
+      metrics.add(step, m)
+      if t0 is None:  # the first step includes compilation: wait for it, then start the clock
+        jax.block_until_ready(m)
         t0 = time.perf_counter()
       else:
         tokens_done += B * T
-      if "load_LE" in m:
-        load = np.asarray(m["load_LE"])
-        load_sum += load
-        run_load += load
-        dropped_sum += np.asarray(m["dropped_L"])
-        interval_steps += 1
-      if step % t.log_every == 0 or step == t.steps:
+      final = step == t.steps
+      log_now, eval_now = step % t.log_every == 0 or final, step % t.eval_every == 0 or final
+      save_now = step % t.checkpoint_every == 0 or final
+      if log_now or eval_now or save_now:
+        fetch_or_stop()
+      if log_now:
         elapsed = time.perf_counter() - t0 if t0 else 0.0
-        record = {"step": step, "loss": loss, "aux_loss": float(m["aux_loss"]),
-                  "z_loss": float(m["z_loss"]), "grad_norm": float(m["grad_norm"]),
-                  "lr": float(m["lr"]), "tokens_per_s": tokens_done / elapsed if elapsed else 0.0}
+        h = metrics.last
+        record = {"step": step, "loss": float(h["loss"]), "aux_loss": float(h["aux_loss"]),
+                  "z_loss": float(h["z_loss"]), "grad_norm": float(h["grad_norm"]),
+                  "lr": float(h["lr"]), "tokens_per_s": tokens_done / elapsed if elapsed else 0.0}
         if moe_layers:
-          record.update(_load_stats(load_sum, dropped_sum / max(interval_steps, 1)))
-          record["experts_per_token"] = float(m["experts_per_token"])
-          load_sum[:] = 0
-          dropped_sum[:] = 0
-          interval_steps = 0
+          record.update(metrics.interval_load_stats())
+          record["experts_per_token"] = float(h["experts_per_token"])
         writers.write(record)
-        pbar.set_postfix(loss=f"{loss:.3f}", aux=f"{record['aux_loss']:.3f}",
+        pbar.set_postfix(loss=f"{record['loss']:.3f}", aux=f"{record['aux_loss']:.3f}",
                          tok_s=f"{record['tokens_per_s']:.0f}")
-      if step % t.eval_every == 0 or step == t.steps:
+      if eval_now:
         last_eval = evaluate(eval_fn, state.params, state.buffers, data, B, T, t.eval_batches)
         writers.write({"step": step, **last_eval})
         if not quiet:
           pbar.write(f"step {step}: val loss {last_eval['val_loss']:.4f} "
                      f"bpb {last_eval['val_bpb']:.4f}")
-      if step % t.checkpoint_every == 0 or step == t.steps:
+      if save_now:
         save()
       pbar.update(1)
   except KeyboardInterrupt:
     if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
       print(f"\ninterrupted mid-step; kept checkpoint {ckpt.latest_step()}")
+    elif metrics.fetch() is not None:   # never save a state past a non-finite loss
+      print(f"\ninterrupted after a non-finite loss; kept checkpoint {ckpt.latest_step()}")
     else:
       save(wait=True)
       print(f"\ninterrupted: saved checkpoint at step {step} in {ckpt.directory}")
@@ -191,6 +237,7 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
   elapsed = time.perf_counter() - t0 if t0 else 0.0
   train_curve, val_curve = _read_history(out_dir / "metrics.jsonl", step)
   paths = [str(plots.plot_losses(train_curve, val_curve, out_dir / "losses.png"))]
+  run_load = metrics.run_load
   if moe_layers and run_load.sum() > 0:
     share = run_load / run_load.sum(-1, keepdims=True)
     paths.append(str(plots.plot_expert_load(share, moe_layers, out_dir / "expert_load.png")))

@@ -1,6 +1,7 @@
 import pytest
 
-from moejax.config import ConfigError, capacity, is_moe_layer, load_config
+from moejax.config import ConfigError, is_moe_layer, load_config
+from moejax.model.routing import capacity
 
 
 def test_tiny_loads_and_overrides_apply():
@@ -31,6 +32,7 @@ def test_shipped_configs_validate(path):
     ("model.head_dim=33", "head_dim=33 must be even"),
     ("train.steps=abc", "expected an integer"),
     ("mesh.expert=3", "mesh.expert=3 does not divide moe.num_experts=8"),
+    ("mesh.exchange=nccl", "mesh.exchange='nccl': must be one of auto, ragged, padded"),
 ])
 def test_bad_settings_name_the_problem(override, message):
   with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -47,3 +49,15 @@ def test_moe_layer_placement_and_capacity():
   assert [is_moe_layer(cfg, i) for i in range(6)] == [False, True, False, True, False, True]
   assert capacity(100, 2, 8, 1.0) == 25
   assert capacity(100, 2, 8, 0.0) == 100  # dropless
+
+
+def test_ep_exchange_is_a_config_field_not_an_environment_variable(monkeypatch):
+  from moejax.parallel import expert_parallel, resolve_exchange
+  assert load_config("configs/tiny.yaml").mesh.exchange == "auto"
+  assert load_config("configs/tiny.yaml", ["mesh.exchange=padded"]).mesh.exchange == "padded"
+  monkeypatch.setenv("MOEJAX_EP_EXCHANGE", "ragged")   # no longer read
+  assert resolve_exchange("auto") == "padded"          # CPU: no ragged all-to-all
+  assert resolve_exchange("ragged") == "ragged"
+  with pytest.raises(ValueError, match="unknown exchange 'nccl'"):
+    resolve_exchange("nccl")
+  assert expert_parallel(None, "ragged") is None       # one device: the plain layer

@@ -1,3 +1,4 @@
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,3 +113,57 @@ def test_untied_head_and_bf16_compute_run():
   loss, _ = forward_loss(cfg, graphdef, st.params, st.buffers, _tokens(4)[:, :-1], _tokens(4)[:, 1:])
   assert np.isfinite(float(loss))
   assert abs(float(loss) - np.log(256)) < 1.0  # near-uniform at init
+
+
+def test_model_does_not_import_parallel():
+  """parallel -> model only: the model learns of expert parallelism through its `ep`."""
+  import subprocess
+  import sys
+  code = ("import sys, moejax.state, moejax.generate; "
+          "print(sorted(m for m in sys.modules if m.startswith('moejax.parallel')))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "[]", out.stdout
+
+
+class _RecordingEP:
+  """Stands in for parallel.ExpertParallel: the same call, computed on one device."""
+
+  def __init__(self):
+    self.calls = []
+
+  def __call__(self, cfg, x_TD, router_DE, bias_E, w_gate_EDF, w_up_EDF, w_down_EFD):
+    from moejax.model import routing
+    self.calls.append(x_TD.shape)
+    r = routing.route_tokens(cfg, x_TD, router_DE, bias_E)
+    y_TD = expert_ffn(cfg.expert_impl, x_TD, r.expert_TK, r.weight_TK, r.keep_TK, w_gate_EDF,
+                      w_up_EDF, w_down_EFD, capacity=x_TD.shape[0])
+    return y_TD, routing.load_stats(routing.stat_sums(r), x_TD.shape[0])
+
+
+def test_moe_layers_dispatch_through_the_ep_the_model_is_built_with():
+  from moejax.state import build_model, split_model
+  cfg = small_cfg("moe.bias_balancing=true")
+  ep = _RecordingEP()
+  plain, parallel = build_model(cfg, 0), build_model(cfg, 0, ep)
+  toks = _tokens(5)
+  a, stats_a, _ = plain(toks)
+  b, stats_b, _ = parallel(toks)
+  assert ep.calls == [(2 * 12, 32)] * 2              # both MoE layers, the whole batch
+  np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(stats_a, stats_b, rtol=1e-5, atol=1e-6)
+  # The ep is static structure: parameters and router biases (what checkpoints hold) are
+  # the same trees with or without it.
+  for x, y in zip(split_model(plain)[1:], split_model(parallel)[1:]):
+    chex.assert_trees_all_equal_structs(x, y)
+    chex.assert_trees_all_equal(x, y)
+
+
+def test_transformer_checks_its_inputs():
+  graphdef, st = init_state(small_cfg())
+  model = nnx.merge(graphdef, st.params, st.buffers)
+  with pytest.raises(AssertionError, match="rank"):
+    model(jnp.zeros((12,), jnp.int32))                 # tokens need [B, T]
+  with pytest.raises(AssertionError):
+    model(jnp.zeros((2, 12), jnp.float32))             # token ids are integers
+  with pytest.raises(AssertionError):
+    model(_tokens(0), jnp.zeros((2, 5), jnp.int32))    # positions must match the tokens

@@ -77,6 +77,9 @@ def test_mesh_loss_and_grads_match_single_device(worker, case):
   assert r["loss_rel"] < LOSS_RTOL, r
   assert r["grad_rel"] < GRAD_RTOL, r
   assert r["aux_diff"] < 1e-5 and r["z_diff"] < 1e-4 and r["load_diff"] == 0, r
+  # Every routing statistic (one implementation in model/routing.py, summed over devices on
+  # the mesh) equals the single-device one.
+  assert r["stats_mismatch"] == "", r["stats_mismatch"]
 
 
 def test_capacity_drops_match_single_device_per_routing_group(worker):
@@ -107,8 +110,8 @@ def test_training_steps_match_single_device(worker):
 
 def test_checkpoint_restores_across_meshes(worker):
   r = worker["checkpoint"]
-  assert r["to_one_device_max_diff"] == 0.0 and r["to_one_device_single"], r
-  assert r["to_mesh_max_diff"] == 0.0 and r["to_mesh_spec"] == _EXPERT_SPEC, r
+  assert r["to_one_device_mismatch"] == "" and r["to_one_device_single"], r
+  assert r["to_mesh_mismatch"] == "" and r["to_mesh_spec"] == _EXPERT_SPEC, r
 
 
 def test_cli_train_with_expert_mesh_on_8_cpu_devices(tmp_path):
@@ -200,17 +203,27 @@ def _rel(a, b):
   return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
+def _tree_mismatch(assert_fn, *trees, **tolerances) -> str:
+  """'' when the chex assertion holds, else its message (the worker reports, tests assert)."""
+  try:
+    assert_fn(*trees, **tolerances)
+  except AssertionError as err:
+    return str(err)[:2000]
+  return ""
+
+
 def _worker(ckpt_dir: str) -> dict:
+  import chex
   import jax
   import jax.numpy as jnp
   from moejax import parallel
   from moejax.checkpoint import Checkpointer
-  from moejax.config import capacity, load_config
+  from moejax.config import load_config
   from moejax.model import routing
   from moejax.model.experts import expert_ffn
   from jax.sharding import PartitionSpec as P
   from moejax.parallel.dispatch import moe_experts, padded_ragged_all_to_all
-  from moejax.state import forward_loss, init_state, make_train_step
+  from moejax.state import build_model, forward_loss, init_state, make_train_step, split_model
   assert jax.device_count() == DEVICES, jax.devices()
   rng = np.random.default_rng(0)
   x_BT = rng.integers(0, 256, (8, 8)).astype(np.int32)
@@ -227,6 +240,9 @@ def _worker(ckpt_dir: str) -> dict:
     return parallel.make_mesh(load_config(None, SMALL + [f"mesh.data={d}", f"mesh.expert={e}"]
                                           ).mesh, 8)
 
+  def graphdef_on(cfg, mesh):   # the model's structure with its MoE layers expert-parallel
+    return split_model(build_model(cfg, cfg.train.seed, parallel.expert_parallel(mesh)))[0]
+
   # Loss and gradients, every mesh x mode. Nothing drops, so one single-device reference
   # (per routing variant) serves every impl and mode.
   refs = {}
@@ -235,15 +251,15 @@ def _worker(ckpt_dir: str) -> dict:
     extra = [f"moe.expert_impl={impl}", "moe.capacity_factor=" + ("4" if mode == "capacity" else "0")]
     cfg = load_config(None, SMALL + extra + variant)
     graphdef, state = init_state(cfg)
-    vg = jax.value_and_grad(lambda p, b, x, y: forward_loss(cfg, graphdef, p, b, x, y),
-                            has_aux=True)
+    vg = lambda gd: jax.value_and_grad(
+        lambda p, b, x, y: forward_loss(cfg, gd, p, b, x, y), has_aux=True)
     if tuple(variant) not in refs:
-      refs[tuple(variant)] = jax.jit(vg)(state.params, state.buffers, x_BT, y_BT)
+      refs[tuple(variant)] = jax.jit(vg(graphdef))(state.params, state.buffers, x_BT, y_BT)
     (l0, m0), g0 = refs[tuple(variant)]
     mesh = mesh_of(cfg, d, e)
     p, b = parallel.place(state.params, mesh), parallel.place(state.buffers, mesh)
     xs, ys = parallel.shard_batch(mesh, x_BT), parallel.shard_batch(mesh, y_BT)
-    fn = jax.jit(parallel.with_mesh(mesh, vg))
+    fn = jax.jit(vg(graphdef_on(cfg, mesh)))
     hlo = fn.lower(p, b, xs, ys).as_text()
     (l1, m1), g1 = fn(p, b, xs, ys)
     scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(g0))
@@ -255,6 +271,8 @@ def _worker(ckpt_dir: str) -> dict:
         "aux_diff": abs(float(m1["aux_loss"] - m0["aux_loss"])),
         "z_diff": abs(float(m1["z_loss"] - m0["z_loss"])),
         "load_diff": float(np.abs(np.asarray(m1["load_LE"]) - np.asarray(m0["load_LE"])).max()),
+        "stats_mismatch": _tree_mismatch(chex.assert_trees_all_close, m1, m0, rtol=2e-5,
+                                         atol=1e-6),
         "all_to_all_in_hlo": "all_to_all" in hlo,
         "experts_per_device": int(w.addressable_shards[0].data.shape[0]),
     }
@@ -276,7 +294,7 @@ def _worker(ckpt_dir: str) -> dict:
     router_DE, *ws = params
 
     def one_group(x_TD):
-      C = capacity(x_TD.shape[0], m.top_k, E, m.capacity_factor)
+      C = routing.capacity(x_TD.shape[0], m.top_k, E, m.capacity_factor)
       r = routing.route(x_TD @ router_DE, mode=m.routing, top_k=m.top_k,
                         renormalize=m.renormalize, capacity=C)
       return expert_ffn("dense", x_TD, r.expert_TK, r.weight_TK, r.keep_TK, *ws, capacity=C), r
@@ -300,7 +318,7 @@ def _worker(ckpt_dir: str) -> dict:
                           "dropped_frac": float(dropped1),
                           "dropped_diff": abs(float(dropped1) - float(dropped0))}
   # ... and differs from one device taking the whole batch as a single routing group.
-  C = capacity(T, m.top_k, E, m.capacity_factor)
+  C = routing.capacity(T, m.top_k, E, m.capacity_factor)
   r = routing.route(x_TD @ params[0], mode=m.routing, top_k=m.top_k, renormalize=m.renormalize,
                     capacity=C)
   out["drops_vs_global_rel"] = _rel(
@@ -330,7 +348,8 @@ def _worker(ckpt_dir: str) -> dict:
   for name, msh, rules in (("single", None, None), ("mesh", mesh, None),
                            ("fsdp", mesh, parallel.FSDP_RULES)):
     state = parallel.place_state(msh, init_state(cfg)[1], rules)
-    step = parallel.jit_train_step(msh, make_train_step(cfg, graphdef), state, rules)
+    gd = graphdef if msh is None else graphdef_on(cfg, msh)
+    step = parallel.jit_train_step(msh, make_train_step(cfg, gd), state, rules)
     losses = []
     for x, y in batches:
       state, metrics = step(state, x, y)
@@ -366,11 +385,9 @@ def _worker(ckpt_dir: str) -> dict:
   spec = [v.sharding.spec for k, v in jax.tree_util.tree_flatten_with_path(on_mesh.params)[0]
           if "w_down_EFD" in str(k)][0]
   out["checkpoint"] = {
-      "to_one_device_max_diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(c))))
-                                    for a, c in zip(leaves, jax.tree.leaves(s1))),
+      "to_one_device_mismatch": _tree_mismatch(chex.assert_trees_all_equal, restored, s1),
       "to_one_device_single": all(len(x.sharding.device_set) == 1 for x in leaves),
-      "to_mesh_max_diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(c))))
-                              for a, c in zip(jax.tree.leaves(on_mesh), jax.tree.leaves(s0))),
+      "to_mesh_mismatch": _tree_mismatch(chex.assert_trees_all_equal, on_mesh, s0),
       "to_mesh_spec": repr(spec),
   }
   ck.close()

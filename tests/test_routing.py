@@ -1,3 +1,4 @@
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,3 +69,36 @@ def test_bias_selects_but_does_not_weight():
   assert float(r.weight_TK[0, 0]) == pytest.approx(0.2, rel=1e-6)
   new = routing.bias_update(jnp.zeros(3), jnp.array([5.0, 1.0, 0.0]), 0.1)
   np.testing.assert_allclose(new, [-0.1, 0.1, 0.1])
+
+
+def test_stats_of_split_token_groups_add_up_to_the_whole_batch():
+  """One implementation serves both MoE paths: the single device takes load_stats of one
+  group; the expert-parallel dispatch adds every device's stat_sums first. Dropless routing
+  is per token, so any split of the tokens must give the whole batch's statistics, and
+  those must be the hand formulas."""
+  logits = jax.random.normal(jax.random.key(0), (32, 8)) * 2
+  kw = dict(mode="top_p", top_k=1, top_p=0.7, max_k=3, renormalize=True)
+  r = routing.route(logits, **kw)
+  whole = routing.load_stats(routing.stat_sums(r), 32)
+  chex.assert_trees_all_close(
+      {k: whole[k] for k in ("aux_loss", "z_loss", "experts_per_token", "dropped_frac")},
+      {"aux_loss": routing.load_balancing_loss(r.probs_TE, r.expert_TK, r.selected_TK),
+       "z_loss": routing.router_z_loss(r.logits_TE),
+       "experts_per_token": r.selected_TK.sum() / 32.0, "dropped_frac": 0.0}, rtol=1e-6)
+  chex.assert_shape([whole["load_E"], whole["routed_E"]], (8,))
+  assert 1.0 < float(whole["experts_per_token"]) < 3.0     # top-p: a variable number
+  groups = [routing.stat_sums(routing.route(g, **kw)) for g in jnp.split(logits, 4)]
+  summed = jax.tree.map(lambda *v: sum(v), *groups)
+  chex.assert_trees_all_close(routing.load_stats(summed, 32), whole, rtol=1e-6)
+
+
+def test_capacity_and_slots_come_from_the_moe_config():
+  from moejax.config import load_config
+  moe = lambda *o: load_config(None, list(o)).moe
+  assert routing.slots_per_token(moe("moe.top_k=2")) == 2
+  assert routing.slots_per_token(moe("moe.routing=top_p", "moe.max_k=3")) == 3
+  assert routing.expert_capacity(moe("moe.capacity_factor=0"), 100) is None   # dropless
+  assert routing.expert_capacity(moe("moe.capacity_factor=1", "moe.top_k=2"), 100) == 25
+  # top-p routing sizes the buffers for max_k slots per token
+  assert routing.expert_capacity(moe("moe.capacity_factor=1", "moe.routing=top_p",
+                                     "moe.max_k=4"), 100) == 50

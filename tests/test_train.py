@@ -1,10 +1,12 @@
 import json
 
+import chex
 import jax
 import numpy as np
 import pytest
+from jax._src.array import ArrayImpl
 
-from moejax import cli, train as train_mod
+from moejax import checkpoint, cli, state as state_mod, train as train_mod
 from moejax.checkpoint import Checkpointer
 from moejax.config import load_config
 from moejax.generate import generate, load_trained
@@ -49,8 +51,7 @@ def test_resume_equals_uninterrupted_run(corpus, tmp_path):
   assert summary["step"] == 6
   a, b = _params(tmp_path / "full"), _params(tmp_path / "part")
   assert int(a.step) == int(b.step) == 6
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-7)
   # The router biases moved (aux-loss-free balancing is live) and were restored too.
   assert any(np.abs(np.asarray(v)).sum() > 0 for v in jax.tree.leaves(a.buffers))
   run = tmp_path / "full"
@@ -61,8 +62,10 @@ def test_resume_equals_uninterrupted_run(corpus, tmp_path):
   assert any("val_bpb" in r for r in records)
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path, monkeypatch):
-  cfg = cfg_for(corpus, tmp_path / "nan", "train.steps=8")
+# log_every=4: the NaN of step 5 is found at the step-6 checkpoint, before it is written.
+@pytest.mark.parametrize("log_every", [2, 4])
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path, monkeypatch, log_every):
+  cfg = cfg_for(corpus, tmp_path / "nan", "train.steps=8", f"train.log_every={log_every}")
   real_step = train_mod.make_train_step
 
   def make_step(cfg, graphdef):
@@ -79,6 +82,77 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path, monkeyp
   with pytest.raises(train_mod.NonFiniteLossError, match="step 5"):
     train_mod.train(cfg, quiet=True)
   assert Checkpointer(tmp_path / "nan" / "checkpoints").latest_step() == 3
+
+
+def test_metrics_reach_the_host_only_at_log_eval_and_checkpoint_steps(corpus, tmp_path,
+                                                                      monkeypatch):
+  """The loop does not wait for each step: no metric array of the step is read on the host
+  (float(), np.asarray, jax.device_get all go through ArrayImpl._value) until a log / eval /
+  checkpoint step, and then all pending steps come in one jax.device_get."""
+  cfg = cfg_for(corpus, tmp_path / "sync", "train.steps=8", "train.log_every=4",
+                "train.eval_every=8", "train.checkpoint_every=8")
+  produced = {}            # id(metric array) -> (array, step that returned it)
+  reads = []               # (step that returned the array, steps run when it was read)
+  steps_run = [0]
+  real_value = ArrayImpl._value
+
+  def value(self):
+    if id(self) in produced and produced[id(self)][0] is self:
+      reads.append((produced[id(self)][1], steps_run[0]))
+    return real_value.fget(self)
+
+  real_jit = train_mod.parallel.jit_train_step
+
+  def jit_train_step(*args, **kwargs):
+    step_fn = real_jit(*args, **kwargs)
+
+    def counted(state, x, y):
+      state, m = step_fn(state, x, y)
+      steps_run[0] += 1
+      for v in jax.tree.leaves(m):
+        produced[id(v)] = (v, steps_run[0])   # keeps v alive, so ids are not reused
+      return state, m
+    return counted
+
+  fetches = []
+  real_get = jax.device_get
+  monkeypatch.setattr(jax, "device_get", lambda x: fetches.append(steps_run[0]) or real_get(x))
+  monkeypatch.setattr(ArrayImpl, "_value", property(value))
+  monkeypatch.setattr(train_mod.parallel, "jit_train_step", jit_train_step)
+  train_mod.train(cfg, quiet=True)
+  assert steps_run[0] == 8
+  assert sorted({at for _, at in reads}) == [4, 8], reads   # never after steps 1-3, 5-7
+  assert sorted({made for made, _ in reads}) == list(range(1, 9))  # yet every step was seen
+  assert 4 in fetches and not {1, 2, 3, 5, 6, 7} & set(fetches), fetches
+
+
+def test_eval_and_generate_restore_params_only(corpus, tmp_path, monkeypatch):
+  """load_trained (eval, generate, calibrate, eval-ppl) restores params and router biases
+  into an abstract target: the optimizer state is never built, allocated or read."""
+  run = tmp_path / "po"
+  train_mod.train(cfg_for(corpus, run, "train.steps=2", "moe.bias_balancing=true"), quiet=True)
+  full = _params(run)
+  targets = []
+  real_restore = checkpoint.Checkpointer.restore
+
+  def spy(self, template, cfg, step=None):
+    targets.append(template)
+    return real_restore(self, template, cfg, step)
+
+  def no_optimizer(*args, **kwargs):
+    raise AssertionError("optimizer built while loading a run for eval / generate")
+
+  monkeypatch.setattr(checkpoint.Checkpointer, "restore", spy)
+  monkeypatch.setattr(state_mod, "make_optimizer", no_optimizer)
+  monkeypatch.setattr(state_mod, "init_state", no_optimizer)
+  tm = load_trained(run)
+  (target,) = targets
+  assert target.opt_state is None and target.step is None and target.rng is None
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(target.params))
+  chex.assert_trees_all_equal(tm.params, full.params)
+  chex.assert_trees_all_equal(tm.buffers, full.buffers)
+  assert tm.step == 2
+  assert cli.main(["eval", str(run), "--max-batches", "1"]) == 0
 
 
 def test_ctrl_c_saves_a_checkpoint(corpus, tmp_path, monkeypatch):

@@ -8,22 +8,22 @@ from flax import nnx
 from moejax.model.layers import normal_init, rope
 
 
-def gqa_attention(q_BTHD, k_BSKD, v_BSKD, mask_BTS):
-  """softmax(q k^T / sqrt(D)) v with Hq = K * G query heads sharing each kv head.
+def gqa_attention(q_BTHA, k_BSNA, v_BSNA, mask_BTS):
+  """softmax(q k^T / sqrt(A)) v with H = N * G query heads, G sharing each kv head.
 
-  q_BTHD: [B, T, Hq, D]; k/v_BSKD: [B, S, Hkv, D]; mask_BTS: True where a key is visible.
-  Scores and softmax in float32. Returns [B, T, Hq, D] in q's dtype.
+  q_BTHA: [B, T, H, A]; k/v_BSNA: [B, S, N, A]; mask_BTS: True where a key is visible.
+  Scores and softmax in float32. Returns [B, T, H, A] in q's dtype.
   """
-  B, T, H, D = q_BTHD.shape
-  Hkv = k_BSKD.shape[2]
-  q_BTKGD = q_BTHD.reshape(B, T, Hkv, H // Hkv, D)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD,
-                      preferred_element_type=jnp.float32) * (D ** -0.5)
-  scores = jnp.where(mask_BTS[:, None, None], scores, -1e30)
-  probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_BSKD.dtype), v_BSKD,
-                   preferred_element_type=jnp.float32)
-  return out.reshape(B, T, H, D).astype(q_BTHD.dtype)
+  B, T, H, A = q_BTHA.shape
+  N = k_BSNA.shape[2]
+  q_BTNGA = q_BTHA.reshape(B, T, N, H // N, A)
+  scores_BNGTS = jnp.einsum("btnga,bsna->bngts", q_BTNGA, k_BSNA,
+                            preferred_element_type=jnp.float32) * (A ** -0.5)
+  scores_BNGTS = jnp.where(mask_BTS[:, None, None], scores_BNGTS, -1e30)
+  probs_BNGTS = jax.nn.softmax(scores_BNGTS, axis=-1)
+  out_BTNGA = jnp.einsum("bngts,bsna->btnga", probs_BNGTS.astype(v_BSNA.dtype), v_BSNA,
+                         preferred_element_type=jnp.float32)
+  return out_BTNGA.reshape(B, T, H, A).astype(q_BTHA.dtype)
 
 
 def causal_mask(T: int) -> jax.Array:
@@ -33,6 +33,8 @@ def causal_mask(T: int) -> jax.Array:
 class Attention(nnx.Module):
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                rope_theta: float, rngs: nnx.Rngs, std: float, dtype, param_dtype):
+    # Parameter names predate the shape legend (K = kv heads, d = head dim there); they are
+    # checkpoint keys, so they stay: wq_DHd is [D, H*A], wk/wv_DKd [D, N*A], wo_HdD [H*A, D].
     init = normal_init(std)
     self.wq_DHd = nnx.Param(init(rngs.params(), (d_model, num_heads * head_dim), param_dtype))
     self.wk_DKd = nnx.Param(init(rngs.params(), (d_model, num_kv_heads * head_dim), param_dtype))
@@ -44,14 +46,15 @@ class Attention(nnx.Module):
   def project_qkv(self, x_BTD, positions_BT):
     B, T, _ = x_BTD.shape
     c = lambda p: p[...].astype(self.dtype)
-    q = (x_BTD @ c(self.wq_DHd)).reshape(B, T, self.num_heads, self.head_dim)
-    k = (x_BTD @ c(self.wk_DKd)).reshape(B, T, self.num_kv_heads, self.head_dim)
-    v = (x_BTD @ c(self.wv_DKd)).reshape(B, T, self.num_kv_heads, self.head_dim)
-    return rope(q, positions_BT, self.rope_theta), rope(k, positions_BT, self.rope_theta), v
+    q_BTHA = (x_BTD @ c(self.wq_DHd)).reshape(B, T, self.num_heads, self.head_dim)
+    k_BTNA = (x_BTD @ c(self.wk_DKd)).reshape(B, T, self.num_kv_heads, self.head_dim)
+    v_BTNA = (x_BTD @ c(self.wv_DKd)).reshape(B, T, self.num_kv_heads, self.head_dim)
+    return (rope(q_BTHA, positions_BT, self.rope_theta),
+            rope(k_BTNA, positions_BT, self.rope_theta), v_BTNA)
 
-  def output(self, o_BTHD):
-    B, T = o_BTHD.shape[:2]
-    return o_BTHD.reshape(B, T, -1) @ self.wo_HdD[...].astype(self.dtype)
+  def output(self, o_BTHA):
+    B, T = o_BTHA.shape[:2]
+    return o_BTHA.reshape(B, T, -1) @ self.wo_HdD[...].astype(self.dtype)
 
   def __call__(self, x_BTD, positions_BT, cache=None):
     """Causal self-attention. With `cache` (see kv_cache.py), the new keys/values extend it

@@ -12,11 +12,18 @@ dropped slots contribute nothing. The impls differ only in how they group tokens
            CPU where ragged_dot computes every expert for every row (measured ~9x slower).
   gmm    : the same sort, the Pallas grouped matmul from pallas_kernels (reads only the
            weights of experts that received tokens).
+
+Shape letters beyond the project's legend (moejax/__init__.py): M rows = the T*K
+(token, slot) assignments sorted by expert; I / O in / out features of a grouped matmul.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+import pallas_kernels
+
+from moejax.model.routing import position_in_expert
 
 EXPERT_IMPLS = ("dense", "ragged", "blocked", "gmm")
 BLOCK_ROWS = 128  # row block of the `blocked` impl
@@ -28,7 +35,6 @@ def _swiglu(gate, up):
 
 def dense_experts(x_TD, expert_TK, weight_TK, keep_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *,
                   capacity: int):
-  from moejax.model.routing import position_in_expert
   E = w_gate_EDF.shape[0]
   pos_TK = position_in_expert(expert_TK, keep_TK, E)
   keep_TK = keep_TK & (pos_TK < capacity)
@@ -71,35 +77,33 @@ def _grouped_experts(matmul, x_TD, expert_TK, weight_TK, keep_TK, w_gate_EDF, w_
   return jnp.zeros_like(x_TD).at[token_of_sorted].add(y_MD.astype(x_TD.dtype))
 
 
-def _ragged_matmul(x_MK, w_EKN, group_sizes_E):
-  return jax.lax.ragged_dot(x_MK, w_EKN, group_sizes_E)
+def _ragged_matmul(x_MI, w_EIO, group_sizes_E):
+  return jax.lax.ragged_dot(x_MI, w_EIO, group_sizes_E)
 
 
-def _blocked_matmul(x_MK, w_EKN, group_sizes_E, block: int = BLOCK_ROWS):
-  """Grouped matmul as a batched matmul over row blocks; rows past sum(sizes) give 0."""
-  M, K = x_MK.shape
-  E, _, N = w_EKN.shape
-  block = min(block, max(8, M))
-  num_blocks = -(-M // block) + E                      # static bound on padded blocks
+def _blocked_matmul(x_MI, w_EIO, group_sizes_E, block: int = BLOCK_ROWS):
+  """Grouped matmul as a batched matmul over J row blocks of W rows each; rows past
+  sum(sizes) give 0."""
+  M, I = x_MI.shape
+  E, _, O = w_EIO.shape
+  W = min(block, max(8, M))
+  J = -(-M // W) + E                                   # static bound on padded blocks
   ends = jnp.cumsum(group_sizes_E)
-  padded = -(-group_sizes_E // block) * block
+  padded = -(-group_sizes_E // W) * W
   padded_ends = jnp.cumsum(padded)
   rows = jnp.arange(M)
   group_M = jnp.searchsorted(ends, rows, side="right")   # E for rows past the last group
   g = jnp.minimum(group_M, E - 1)
   dest_M = (padded_ends[g] - padded[g]) + rows - (ends[g] - group_sizes_E[g])
-  dest_M = jnp.where(group_M < E, dest_M, num_blocks * block)  # out of range: dropped
-  x_pad = jnp.zeros((num_blocks * block, K), x_MK.dtype).at[dest_M].set(x_MK, mode="drop")
-  block_expert = jnp.minimum(
-      jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block, side="right"), E - 1)
-  y_pad = jnp.einsum("nbk,nkf->nbf", x_pad.reshape(num_blocks, block, K), w_EKN[block_expert])
-  y = y_pad.reshape(num_blocks * block, N).at[dest_M].get(mode="fill", fill_value=0)
-  return y
+  dest_M = jnp.where(group_M < E, dest_M, J * W)       # out of range: dropped
+  x_pad = jnp.zeros((J * W, I), x_MI.dtype).at[dest_M].set(x_MI, mode="drop")
+  expert_J = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(J) * W, side="right"), E - 1)
+  y_JWO = jnp.einsum("jwi,jio->jwo", x_pad.reshape(J, W, I), w_EIO[expert_J])
+  return y_JWO.reshape(J * W, O).at[dest_M].get(mode="fill", fill_value=0)
 
 
-def _gmm_matmul(x_MK, w_EKN, group_sizes_E):
-  import pallas_kernels
-  return pallas_kernels.gmm(x_MK, w_EKN, group_sizes_E)
+def _gmm_matmul(x_MI, w_EIO, group_sizes_E):
+  return pallas_kernels.gmm(x_MI, w_EIO, group_sizes_E)
 
 
 def expert_ffn(impl: str, x_TD, expert_TK, weight_TK, keep_TK, w_gate_EDF, w_up_EDF, w_down_EFD,

@@ -25,16 +25,19 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x_BTHD: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
-  """Rotary position embedding (half-split convention) applied in float32."""
-  D = x_BTHD.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
-  angles_BTF = positions_BT.astype(jnp.float32)[..., None] * inv_freq
-  sin, cos = jnp.sin(angles_BTF)[:, :, None, :], jnp.cos(angles_BTF)[:, :, None, :]
-  x = x_BTHD.astype(jnp.float32)
-  x1, x2 = x[..., : D // 2], x[..., D // 2:]
+def rope(x_BTHA: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding (half-split convention) applied in float32.
+
+  x_BTHA: [B, T, heads, A] (query or kv heads); rotates A/2 pairs of channels.
+  """
+  A = x_BTHA.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, A, 2, dtype=jnp.float32) / A))
+  angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq      # [B, T, A/2]
+  sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+  x = x_BTHA.astype(jnp.float32)
+  x1, x2 = x[..., : A // 2], x[..., A // 2:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BTHD.dtype)
+  return out.astype(x_BTHA.dtype)
 
 
 class SwiGLU(nnx.Module):

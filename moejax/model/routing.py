@@ -1,14 +1,22 @@
-"""Router math, pure jnp: token -> expert choice, combine weights, capacity, aux losses.
+"""Routing in one place: token -> expert choice, combine weights, capacity, load statistics.
 
-Shapes: T tokens, E experts, K slots per token (top_k, or max_k for top-p routing).
-Everything here runs in float32.
+Both MoE paths use this module: the single-device layer (moe.py) routes the whole batch as
+one group; the expert-parallel dispatch (parallel/dispatch.py) routes each device's tokens
+as a group. Statistics are built from additive per-group sums (`stat_sums`), so the
+expert-parallel path adds its devices' sums and applies the same `load_stats`.
+
+Shapes: T tokens, E experts, K slots per token (top_k, or max_k for top-p routing), C
+capacity slots per expert. Everything here runs in float32.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from moejax.config import MoEConfig
 
 
 class Routing(NamedTuple):
@@ -69,6 +77,34 @@ def route(logits_TE: jax.Array, *, mode: str, top_k: int, renormalize: bool,
   return Routing(expert_TK, weight_TK, keep_TK, probs_TE, logits_TE, selected_TK)
 
 
+def slots_per_token(cfg: MoEConfig) -> int:
+  """K: the expert slots a token may fill (top_k; max_k for top-p routing)."""
+  return cfg.max_k if cfg.routing == "top_p" else cfg.top_k
+
+
+def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+  """Slots per expert. Dropless (cf=0): every token could pick one expert, so T slots."""
+  if capacity_factor <= 0:
+    return num_tokens
+  return max(1, min(num_tokens, math.ceil(capacity_factor * num_tokens * top_k / num_experts)))
+
+
+def expert_capacity(cfg: MoEConfig, num_tokens: int) -> int | None:
+  """C for a routing group of `num_tokens` tokens; None when dropless (capacity_factor 0)."""
+  if cfg.capacity_factor <= 0:
+    return None
+  return capacity(num_tokens, slots_per_token(cfg), cfg.num_experts, cfg.capacity_factor)
+
+
+def route_tokens(cfg: MoEConfig, x_TD: jax.Array, router_DE: jax.Array,
+                 bias_E: jax.Array | None = None) -> Routing:
+  """The MoE layer's routing of one group of tokens, capacity counted from that group."""
+  logits_TE = x_TD.astype(jnp.float32) @ router_DE.astype(jnp.float32)
+  return route(logits_TE, mode=cfg.routing, top_k=cfg.top_k, renormalize=cfg.renormalize,
+               top_p=cfg.top_p, max_k=cfg.max_k, bias_E=bias_E,
+               capacity=expert_capacity(cfg, x_TD.shape[0]))
+
+
 def position_in_expert(expert_TK: jax.Array, selected_TK: jax.Array, num_experts: int) -> jax.Array:
   """Arrival order of each (token, slot) at its expert, slot-major: [T, K] int32."""
   T, K = expert_TK.shape
@@ -85,21 +121,47 @@ def expert_counts(expert_TK: jax.Array, mask_TK: jax.Array, num_experts: int) ->
   return onehot.sum(axis=(0, 1))
 
 
-def load_balancing_loss(probs_TE: jax.Array, expert_TK: jax.Array, selected_TK: jax.Array) -> jax.Array:
-  """Switch loss E * sum_e f_e * P_e: f_e = share of assignments, P_e = mean probability.
+def switch_loss(counts_E: jax.Array, mean_probs_E: jax.Array) -> jax.Array:
+  """E * sum_e f_e * P_e: f_e = share of assignments, P_e = mean router probability.
 
   Equals 1.0 for a perfectly uniform router; grows as the load concentrates.
   """
-  E = probs_TE.shape[-1]
-  counts_E = expert_counts(expert_TK, selected_TK, E)
   f_E = counts_E / jnp.maximum(counts_E.sum(), 1.0)
-  P_E = probs_TE.mean(axis=0)
-  return E * jnp.sum(f_E * P_E)
+  return counts_E.shape[-1] * jnp.sum(f_E * mean_probs_E)
+
+
+def load_balancing_loss(probs_TE: jax.Array, expert_TK: jax.Array, selected_TK: jax.Array) -> jax.Array:
+  """The Switch loss of one group of tokens."""
+  counts_E = expert_counts(expert_TK, selected_TK, probs_TE.shape[-1])
+  return switch_loss(counts_E, probs_TE.mean(axis=0))
 
 
 def router_z_loss(logits_TE: jax.Array) -> jax.Array:
   """mean over tokens of logsumexp(logits)^2 (ST-MoE): keeps router logits small."""
   return jnp.mean(jax.nn.logsumexp(logits_TE, axis=-1) ** 2)
+
+
+def stat_sums(r: Routing) -> dict[str, jax.Array]:
+  """This group's share of the load statistics: sums over its tokens, so groups (devices)
+  combine by adding them."""
+  E = r.probs_TE.shape[-1]
+  return {"routed_E": expert_counts(r.expert_TK, r.selected_TK, E),  # before capacity
+          "load_E": expert_counts(r.expert_TK, r.keep_TK, E),        # after capacity
+          "probs_E": r.probs_TE.sum(axis=0),
+          "z": jnp.sum(jax.nn.logsumexp(r.logits_TE, axis=-1) ** 2)}
+
+
+def load_stats(sums: dict[str, jax.Array], num_tokens: int) -> dict[str, jax.Array]:
+  """The MoE layer's statistics from the stat_sums over all its `num_tokens` tokens:
+  aux_loss (Switch), z_loss, load_E, routed_E, dropped_frac, experts_per_token."""
+  routed_E, load_E = sums["routed_E"], sums["load_E"]
+  selected = routed_E.sum()
+  return {"aux_loss": switch_loss(routed_E, sums["probs_E"] / num_tokens),
+          "z_loss": sums["z"] / num_tokens,
+          "load_E": load_E,
+          "routed_E": routed_E,
+          "dropped_frac": 1.0 - load_E.sum() / jnp.maximum(selected, 1.0),
+          "experts_per_token": selected / num_tokens}
 
 
 def bias_update(bias_E: jax.Array, counts_E: jax.Array, rate: float) -> jax.Array:

@@ -1,18 +1,26 @@
 """Decoder-only MoE transformer (Flax NNX)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import Config, is_moe_layer
+from moejax.model import routing
 from moejax.model.attention import Attention
 from moejax.model.layers import RMSNorm, SwiGLU, dtype_of, normal_init
 from moejax.model.moe import MoE
 
+if TYPE_CHECKING:   # type only: parallel imports the model, not the reverse
+  from moejax.parallel.dispatch import ExpertParallel
+
 
 class Block(nnx.Module):
-  def __init__(self, cfg: Config, layer: int, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: Config, layer: int, *, rngs: nnx.Rngs,
+               ep: ExpertParallel | None = None):
     m = cfg.model
     dtype, pdtype = dtype_of(m.dtype), dtype_of(m.param_dtype)
     self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdtype)
@@ -22,7 +30,8 @@ class Block(nnx.Module):
     self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdtype)
     self.is_moe = is_moe_layer(cfg, layer)
     if self.is_moe:
-      self.ffn = MoE(m.d_model, cfg.moe, rngs=rngs, std=m.init_std, dtype=dtype, param_dtype=pdtype)
+      self.ffn = MoE(m.d_model, cfg.moe, rngs=rngs, std=m.init_std, dtype=dtype,
+                     param_dtype=pdtype, ep=ep)
     else:
       self.ffn = SwiGLU(m.d_model, m.ffn_hidden, rngs=rngs, std=m.init_std, dtype=dtype,
                         param_dtype=pdtype)
@@ -40,16 +49,19 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-  """tokens_BT -> logits_BTV; also returns per-MoE-layer routing stats."""
+  """tokens_BT -> logits_BTV; also returns per-MoE-layer routing stats.
 
-  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+  ep: run the MoE layers expert-parallel over a mesh (parallel.expert_parallel); None: one
+  device. Static: the same parameters and checkpoints serve both.
+  """
+
+  def __init__(self, cfg: Config, *, rngs: nnx.Rngs, ep: ExpertParallel | None = None):
     m = cfg.model
     self.cfg = cfg
     self.dtype = dtype_of(m.dtype)
     pdtype = dtype_of(m.param_dtype)
     self.embed_VD = nnx.Param(normal_init(m.init_std)(rngs.params(), (m.vocab_size, m.d_model), pdtype))
-    self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(m.num_layers)]) \
-        if hasattr(nnx, "List") else [Block(cfg, i, rngs=rngs) for i in range(m.num_layers)]
+    self.blocks = nnx.List([Block(cfg, i, rngs=rngs, ep=ep) for i in range(m.num_layers)])
     self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdtype)
     self.lm_head_DV = None if m.tie_embeddings else nnx.Param(
         normal_init(m.init_std)(rngs.params(), (m.d_model, m.vocab_size), pdtype))
@@ -63,8 +75,12 @@ class Transformer(nnx.Module):
 
     Returns (logits_BTV float32, stats: list of per-MoE-layer dicts, new caches or None).
     """
+    chex.assert_rank(tokens_BT, 2)
+    chex.assert_type(tokens_BT, int)
     B, T = tokens_BT.shape
-    if positions_BT is None:
+    if positions_BT is not None:
+      chex.assert_equal_shape([tokens_BT, positions_BT])
+    else:
       positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     x = self.embed_VD[...][tokens_BT].astype(self.dtype)
     stats, new_caches = [], []
@@ -91,7 +107,7 @@ def active_params(cfg: Config) -> int:
   for i in range(m.num_layers):
     total += attn
     if is_moe_layer(cfg, i):
-      k = e.top_k if e.routing != "top_p" else e.max_k
+      k = routing.slots_per_token(e)
       shared = (e.shared_expert_hidden or e.expert_hidden) * e.num_shared_experts
       total += 3 * m.d_model * (k * e.expert_hidden + shared) + m.d_model * e.num_experts
     else:

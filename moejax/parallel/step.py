@@ -1,13 +1,14 @@
 """Jitted train / eval steps over a mesh: explicit in/out shardings, batches placed per device.
 
 With mesh=None these are exactly the single-device jits the training loop always used.
+Whether the MoE layers exchange tokens is the model's business (built with an `ep`, see
+dispatch.py); these only lay out the arrays.
 """
 from __future__ import annotations
 
 import jax
 from jax.sharding import Mesh
 
-from moejax.parallel.context import with_mesh
 from moejax.parallel.sharding import (batch_sharding, place, replicated, shard_batch,
                                       tree_shardings)
 
@@ -23,7 +24,7 @@ def jit_train_step(mesh: Mesh | None, train_step, state, rules: dict | None = No
   if mesh is None:
     return jax.jit(train_step, donate_argnums=0)
   state_sh, batch_sh = tree_shardings(state, mesh, rules), batch_sharding(mesh)
-  jitted = jax.jit(with_mesh(mesh, train_step), donate_argnums=0,
+  jitted = jax.jit(train_step, donate_argnums=0,
                    in_shardings=(state_sh, batch_sh, batch_sh),
                    out_shardings=(state_sh, replicated(mesh)))
 
@@ -37,7 +38,7 @@ def jit_eval_step(mesh: Mesh | None, eval_step, params, buffers, rules: dict | N
   if mesh is None:
     return jax.jit(eval_step)
   batch_sh = batch_sharding(mesh)
-  jitted = jax.jit(with_mesh(mesh, eval_step),
+  jitted = jax.jit(eval_step,
                    in_shardings=(tree_shardings(params, mesh, rules),
                                  tree_shardings(buffers, mesh, rules), batch_sh, batch_sh),
                    out_shardings=replicated(mesh))
