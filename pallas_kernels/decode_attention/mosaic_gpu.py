@@ -105,6 +105,11 @@ def unsupported_reason(layout: kl.KVLayout, num_q_heads_per_kv: int) -> str | No
     return f"at most {MAX_OUTLIERS} outlier channels, got {layout.n_out}"
   if num_q_heads_per_kv > MAX_HEADS:
     return f"at most {MAX_HEADS} query heads per kv-head, got {num_q_heads_per_kv}"
+  if cfg.meta_dtype != "float8_e4m3fn":
+    # the zero-point folds into the fp16 fma as z - s * 2**k, rounded to fp16: exact enough for
+    # fp8 zero-points, not for 16-bit ones (H100, 2026-12-07: 1.0-1.9 % relative error against
+    # the reference with bf16/fp16 metadata, 0.19 % with fp8; Triton 0.2-0.3 %)
+    return f"needs float8_e4m3fn metadata (16-bit zero-points lose precision in its fp16 fma), got {cfg.meta_dtype}"
   meta_bytes = jnp.dtype(cfg.meta_dtype).itemsize
   kr, ng = max(1, tile // g), layout.n_groups_tok
   for shape, itemsize in (((kr, layout.d_pad), meta_bytes), ((ng, tile), meta_bytes),

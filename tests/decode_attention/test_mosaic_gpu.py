@@ -36,7 +36,8 @@ def _layout(a=128, max_len=4096, **kw):
     ({"outlier_fraction": 0.05}, 4, "at most 4 outlier channels, got 6"),
     ({"outlier_fraction": 0.15}, 4, "D_pad a multiple of 64, got 112"),     # 109 low-bit channels
     ({"bits": 3, "group_size": 64}, 4, "5-element vectors"),           # fp8 (5, 128) metadata tile
-    ({"bits": 3, "group_size": 64, "meta_dtype": "bfloat16"}, 4, None),
+    ({"bits": 3, "group_size": 64, "meta_dtype": "bfloat16"}, 4, "needs float8_e4m3fn metadata"),
+    ({"meta_dtype": "float16"}, 4, "16-bit zero-points lose precision"),
     ({"key_axis": "token", "value_axis": "channel"}, 4, "keys per channel and values per token"),
     ({"group_size": 16}, 4, "group_size 16 must be >= 32"),
     ({"bits": 3, "group_size": 128}, 4, "divide 320"),                # 3-bit tiles: 320 tokens
@@ -180,15 +181,15 @@ def _lower(bits=2, group=32, frac=0.02, heads=8, meta="float8_e4m3fn", b=2, n=2,
 @pytest.mark.parametrize("bits,group,frac,heads,meta", [
     (2, 32, 0.02, 4, "float8_e4m3fn"),
     (2, 128, 0.0, 16, "float8_e4m3fn"),     # groups of two slots: rotate-per-slot reads
-    (3, 32, 0.03, 8, "bfloat16"),           # 320-token tiles, 4 outliers
-    (3, 64, 0.02, 4, "bfloat16"),
-    (4, 64, 0.03, 16, "float16"),
+    (3, 32, 0.03, 8, "float8_e4m3fn"),      # 320-token tiles, 4 outliers
+    (3, 32, 0.02, 1, "float8_e4m3fn"),
+    (4, 64, 0.03, 16, "float8_e4m3fn"),
     (4, 32, 0.0, 8, "float8_e4m3fn"),
-    (8, 128, 0.02, 4, "bfloat16"),
+    (8, 128, 0.02, 4, "float8_e4m3fn"),
     (8, 64, 0.03, 12, "float8_e4m3fn"),     # 12 heads: MMA N = 16
 ])
 def test_lowers_for_cuda(bits, group, frac, heads, meta):
-  """Traces the whole kernel (metadata staging in each dtype, in-place or rotated code reads,
+  """Traces the whole kernel (metadata staging, in-place or rotated code reads,
   outliers in the MMA's padding columns, inline PTX) and the merge kernel, lowered for CUDA."""
   module, text = _lower(bits, group, frac, heads, meta)
   assert "mosaic_gpu" in text and "decode_attention_merge" in text
