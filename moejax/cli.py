@@ -40,7 +40,7 @@ def _cmd_generate(args) -> int:
   from moejax.kv_eval import KVSetting, load_calibration, quantized_cache_factory
   if args.kv_bits not in (2, 3, 4, 8, 16):
     raise ValueError(f"--kv-bits {args.kv_bits}: must be one of 2, 3, 4, 8, 16")
-  tm = load_trained(args.run_dir)
+  tm = load_trained(args.run_dir, args.overrides)
   factory = dense_caches
   if args.kv_bits != 16:
     factory = quantized_cache_factory(KVSetting(args.kv_bits, args.kv_outliers),
@@ -59,7 +59,7 @@ def _cmd_calibrate(args) -> int:
   from moejax.generate import load_trained
   from moejax.kv_eval import calibrate, save_calibration
   from moejax.run_io import load_data
-  tm = load_trained(args.run_dir)
+  tm = load_trained(args.run_dir, args.overrides)
   ranks = calibrate(tm, load_data(tm.cfg, Path(args.run_dir)), args.batches)
   print(f"outlier-channel ranking saved to {save_calibration(Path(args.run_dir), ranks, tm.step)}")
   return 0
@@ -74,10 +74,25 @@ def _cmd_eval_ppl(args) -> int:
     if not 0 <= f < 1:
       raise ValueError(f"--outliers {f}: outlier fraction must be in [0, 1)")
   rows, paths = run_sweep(Path(args.run_dir), settings_from(args.kv, args.outliers),
-                          max_batches=args.max_batches)
+                          max_batches=args.max_batches, overrides=args.overrides)
   print(format_table(rows))
+  print(f"\neach setting scored on {rows[0]['val_tokens']:,} validation tokens "
+        f"({rows[0]['val_batches']} batches)")
   print(f"\n{paths['json']}\n{paths['plot']}")
   return 0
+
+
+def _int_at_least(low: int):
+  """argparse type: an integer >= low, else a one-line error naming the range."""
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < low:
+      raise argparse.ArgumentTypeError(f"{value}: must be >= {low}")
+    return value
+  return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,15 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
   e = sub.add_parser("eval", help="validation loss / perplexity / bits per byte of a run")
   e.add_argument("run_dir", help="the train.out_dir of a run")
   e.add_argument("overrides", nargs="*", help="e.g. moe.expert_impl=dense")
-  e.add_argument("--max-batches", type=int, default=None)
+  e.add_argument("--max-batches", type=_int_at_least(1), default=None,
+                 help="batches spread over the split (default: the whole split)")
   e.set_defaults(fn=_cmd_eval)
 
   g = sub.add_parser("generate", help="sample text from a run with a KV cache")
   g.add_argument("run_dir")
+  g.add_argument("overrides", nargs="*", help="e.g. kv_cache.group_size=16")
   g.add_argument("--prompt", required=True)
-  g.add_argument("--max-new-tokens", type=int, default=200)
+  g.add_argument("--max-new-tokens", type=_int_at_least(1), default=200)
   g.add_argument("--temperature", type=float, default=0.8)
-  g.add_argument("--top-k", type=int, default=40)
+  g.add_argument("--top-k", type=_int_at_least(0), default=40, help="0: no top-k cut")
   g.add_argument("--seed", type=int, default=0)
   g.add_argument("--kv-bits", type=int, default=16, help="16 (bf16) or 2/3/4/8 (quantized cache)")
   g.add_argument("--kv-outliers", type=float, default=0.0,
@@ -109,30 +126,37 @@ def build_parser() -> argparse.ArgumentParser:
 
   c = sub.add_parser("calibrate", help="pick each layer/kv-head's KV outlier channels")
   c.add_argument("run_dir")
-  c.add_argument("--batches", type=int, default=4)
+  c.add_argument("overrides", nargs="*")
+  c.add_argument("--batches", type=_int_at_least(1), default=4)
   c.set_defaults(fn=_cmd_calibrate)
 
   q = sub.add_parser("eval-ppl", help="perplexity and memory under KV-cache quantization")
   q.add_argument("run_dir")
+  q.add_argument("overrides", nargs="*", help="e.g. kv_cache.residual_window=64")
   q.add_argument("--kv", type=int, nargs="+", default=[16, 4, 3, 2])
   q.add_argument("--outliers", type=float, nargs="+", default=[0.0, 0.01, 0.15])
-  q.add_argument("--max-batches", type=int, default=8)
+  q.add_argument("--max-batches", type=_int_at_least(1), default=8)
   q.set_defaults(fn=_cmd_eval_ppl)
   return p
 
 
-def main(argv: list[str] | None = None) -> int:
-  args = build_parser().parse_args(argv)
+def guarded(command: str, fn, *args) -> int:
+  """fn(*args) with the errors a user can fix turned into one line on stderr and exit 2."""
   try:
-    return args.fn(args)
+    return fn(*args)
   except (ConfigError, CheckpointMismatchError, FileNotFoundError, ValueError) as err:
-    print(f"moejax {args.command}: error: {err}", file=sys.stderr)
+    print(f"{command}: error: {err}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
     return 130
   except RuntimeError as err:  # e.g. NonFiniteLossError
-    print(f"moejax {args.command}: {err}", file=sys.stderr)
+    print(f"{command}: {err}", file=sys.stderr)
     return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  return guarded(f"moejax {args.command}", args.fn, args)
 
 
 if __name__ == "__main__":

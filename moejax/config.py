@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import tempfile
 import typing
 from pathlib import Path
 from typing import Any
@@ -218,7 +220,12 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     if "=" not in item:
       raise ConfigError(f"override '{item}' must look like key.sub=value")
     key, raw = item.split("=", 1)
-    _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw else "")
+    try:
+      value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError as err:
+      raise ConfigError(f"override '{item}': the value is not valid YAML ({_yaml_problem(err)})"
+                        ) from None
+    _set_dotted(tree, key.strip(), value)
   return tree
 
 
@@ -242,7 +249,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     path = Path(path)
     if not path.is_file():
       raise ConfigError(f"config file not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+      data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+      mark = getattr(err, "problem_mark", None)
+      where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+      raise ConfigError(f"{where}: invalid YAML: {_yaml_problem(err)}") from None
   if overrides:
     data = _merge(data, parse_overrides(overrides))
   return from_dict(data)
@@ -253,8 +265,28 @@ def with_overrides(cfg: Config, overrides: list[str]) -> Config:
   return from_dict(_merge(cfg.to_dict(), parse_overrides(overrides))) if overrides else cfg
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+  """The one-line reason of a YAML error (its str() spans lines and names "<unicode string>")."""
+  return " ".join(str(x) for x in (getattr(err, "context", None), getattr(err, "problem", None))
+                  if x) or str(err).splitlines()[0]
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+  """Writes text to path via a temporary file in the same directory and a rename, so a
+  reader (or a killed writer) sees the old file or the new one, never a partial one."""
+  path = Path(path)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except BaseException:
+    Path(tmp).unlink(missing_ok=True)
+    raise
+
+
 def save_config(cfg: Config, path: str | Path) -> None:
-  Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+  write_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 # ------------------------------------------------------------- validation ---

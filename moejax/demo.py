@@ -21,17 +21,24 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--config", default="configs/tiny.yaml")
   p.add_argument("overrides", nargs="*")
   args = p.parse_args(argv)
+  from moejax.cli import guarded
+  return guarded("demo", _demo, args)
+
+
+def _demo(args) -> int:
   cfg = load_config(args.config, args.overrides)
   run_dir = Path(cfg.train.out_dir)
 
   from moejax.train import train
   t0 = time.perf_counter()
   summary = train(cfg)
-  print(f"\ntrained {summary['step']} steps in {time.perf_counter() - t0:.0f} s "
-        f"({summary['params']:,} parameters, {summary['active_params']:,} active per token)\n")
-  print(_table([[summary["step"], f"{summary['train_loss']:.4f}", f"{summary['val_loss']:.4f}",
-                 f"{summary['val_ppl']:.3f}", f"{summary['val_bpb']:.4f}"]],
-               ["step", "train loss", "val loss", "val ppl", "val bits/byte"]))
+  print(f"\n{summary['step']} steps ({time.perf_counter() - t0:.0f} s this run; "
+        f"{summary['params']:,} parameters, {summary['active_params']:,} active per token)\n")
+  # .get: a summary.json written by an older moejax may lack some of these.
+  fmt = lambda key, spec: "n/a" if summary.get(key) is None else format(summary[key], spec)
+  print(_table([[summary["step"], fmt("train_loss", ".4f"), fmt("val_loss", ".4f"),
+                 fmt("val_ppl", ".3f"), fmt("val_bpb", ".4f"), fmt("val_tokens", ",")]],
+               ["step", "train loss", "val loss", "val ppl", "val bits/byte", "val tokens"]))
 
   from moejax.generate import cache_nbytes, generate, load_trained
   tm = load_trained(run_dir)

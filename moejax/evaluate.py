@@ -16,6 +16,8 @@ def evaluate(eval_step, params, buffers, data: TokenDataset, batch_size: int, se
   spread evenly over it. Bits per byte counts the UTF-8 bytes of exactly the targets scored.
   The batches' sums stay on device until all are dispatched: one transfer at the end.
   """
+  if max_batches is not None and max_batches < 1:
+    raise ValueError(f"max_batches={max_batches}: must be >= 1 (None: the whole split)")
   sums, total_bytes = [], 0
   batches = (val_batches(data.val, batch_size, seq_len, drop_remainder=True) if max_batches is None
              else spread_val_batches(data.val, batch_size, seq_len, max_batches))

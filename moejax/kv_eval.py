@@ -212,12 +212,13 @@ def eval_ppl(tm: TrainedModel, data: TokenDataset, settings: list[KVSetting], ra
            "effective_bits": effective_bits(cfg, setting, 4096),
            "kv_bytes_per_token": cache_bytes(cfg, setting, 4096) / 4096,
            **{f"kv_bytes_{c // 1024}k": cache_bytes(cfg, setting, c) for c in CONTEXTS},
-           "val_loss": loss, "ppl": math.exp(loss), "bpb": total / math.log(2) / n_bytes}
+           "val_loss": loss, "ppl": math.exp(min(loss, 50.0)), "bpb": total / math.log(2) / n_bytes,
+           "val_tokens": n_tokens, "val_batches": len(batches)}
     rows.append(row)
   bar.close()
   base = next((r["ppl"] for r in rows if r["bits"] == 16), None)
-  for r in rows:
-    r["delta_ppl_pct"] = 100.0 * (r["ppl"] / base - 1.0) if base else float("nan")
+  for r in rows:   # None (JSON null) without a bf16 row to compare with
+    r["delta_ppl_pct"] = 100.0 * (r["ppl"] / base - 1.0) if base else None
   return rows
 
 
@@ -228,7 +229,9 @@ def format_table(rows: list[dict]) -> str:
             "Δppl %", "bits/byte"]
   body = [[r["setting"], f"{r['effective_bits']:.2f}", f"{r['kv_bytes_per_token']:,.0f}",
            mib(r["kv_bytes_4k"]), mib(r["kv_bytes_32k"]), mib(r["kv_bytes_128k"]),
-           f"{r['ppl']:.4f}", f"{r['delta_ppl_pct']:+.2f}", f"{r['bpb']:.4f}"] for r in rows]
+           f"{r['ppl']:.4f}",
+           "n/a" if r["delta_ppl_pct"] is None else f"{r['delta_ppl_pct']:+.2f}",
+           f"{r['bpb']:.4f}"] for r in rows]
   widths = [max(len(x[i]) for x in body + [header]) for i in range(len(header))]
   fmt = lambda x: "  ".join(c.rjust(w) for c, w in zip(x, widths))
   return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(x) for x in body])
@@ -259,27 +262,46 @@ def settings_from(bits: list[int], outliers: list[float]) -> list[KVSetting]:
   return out
 
 
+def sweep_name(settings: list[KVSetting], max_batches: int | None) -> str:
+  """File stem naming a sweep's settings, so sweeps of different settings never overwrite
+  each other: e.g. kv_sweep_kv16-4-2_out0-0.15_b8."""
+  bits = dict.fromkeys(s.bits for s in settings)
+  fracs = dict.fromkeys(s.outlier_fraction for s in settings if s.bits != 16) or {0.0: None}
+  return (f"kv_sweep_kv{'-'.join(map(str, bits))}_out{'-'.join(f'{f:g}' for f in fracs)}"
+          f"_b{'all' if max_batches is None else max_batches}")
+
+
 def run_sweep(run_dir: Path, settings: list[KVSetting], *, max_batches: int | None,
-              quiet: bool = False) -> tuple[list[dict], dict[str, str]]:
-  """Loads the run, calibrates if needed, sweeps, writes JSON + PNG next to the checkpoints."""
+              quiet: bool = False, overrides: list[str] | None = None
+              ) -> tuple[list[dict], dict[str, str]]:
+  """Loads the run, calibrates if needed, sweeps, writes JSON + PNG named after the
+  settings next to the checkpoints (both only once the sweep has succeeded)."""
+  from moejax.config import write_atomic
   from moejax.generate import load_trained
   from moejax.run_io import load_data
+  if max_batches is not None and max_batches < 1:
+    raise ValueError(f"max_batches={max_batches}: must be >= 1 (None: the whole split)")
   run_dir = Path(run_dir)
-  tm = load_trained(run_dir)
+  tm = load_trained(run_dir, overrides)
   data = load_data(tm.cfg, run_dir)
   ranks = load_calibration(run_dir)
   if ranks is None:
     ranks = calibrate(tm, data)
     save_calibration(run_dir, ranks, tm.step)
   rows = eval_ppl(tm, data, settings, ranks, max_batches=max_batches, quiet=quiet)
-  json_path = run_dir / "kv_sweep.json"
-  json_path.write_text(json.dumps(rows, indent=2))
-  png = plot_ppl_vs_bits(rows, run_dir / "ppl_vs_bits.png")
+  stem = sweep_name(settings, max_batches)
+  if overrides:   # settings the run was not trained with: say so in the name
+    stem += "_" + "_".join(o.replace("/", "-").replace("=", "-") for o in overrides)
+  json_path = run_dir / f"{stem}.json"
+  write_atomic(json_path, json.dumps({"step": tm.step, "overrides": list(overrides or []),
+                                      "rows": rows}, indent=2, allow_nan=False))
+  png = plot_ppl_vs_bits(rows, run_dir / f".{stem}.tmp.png").replace(run_dir / f"{stem}.png")
   return rows, {"json": str(json_path), "plot": str(png)}
 
 
 def demo_sweep(run_dir: Path) -> None:
   rows, paths = run_sweep(run_dir, settings_from([16, 4, 3, 2], [0.0, 0.15]), max_batches=4)
-  print("\nKV-cache quantization (perplexity through the quantized cache):")
+  print(f"\nKV-cache quantization (perplexity through the quantized cache, "
+        f"{rows[0]['val_tokens']:,} validation tokens):")
   print(format_table(rows))
   print(f"\n{paths['json']}\n{paths['plot']}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from tqdm.auto import tqdm
 
 from moejax import parallel, plots
 from moejax.checkpoint import Checkpointer
-from moejax.config import Config, save_config
+from moejax.config import Config, save_config, write_atomic
 from moejax.data import train_batch
 from moejax.evaluate import evaluate
 from moejax.run_io import load_data
@@ -54,7 +55,8 @@ class _Writers:
         from tensorboardX import SummaryWriter
         self.tb = SummaryWriter(str(out_dir / "tb"))
       except ImportError:
-        pass
+        print("train.tensorboard=true but tensorboardX is not installed: no TensorBoard event "
+              "files (pip install tensorboardX, or set train.tensorboard=false)", file=sys.stderr)
 
   def write(self, record: dict):
     if not self.main:
@@ -114,6 +116,23 @@ class _PendingMetrics:
     return out
 
 
+def _truncate_metrics(path: Path, upto: int) -> None:
+  """Drops metrics.jsonl rows past `upto`: a run killed after its last checkpoint logged steps
+  that the resumed run repeats, and each step must have one row."""
+  if not path.is_file():
+    return
+  lines = path.read_text().splitlines(keepends=True)
+  keep = []
+  for line in lines:
+    try:
+      if json.loads(line)["step"] <= upto:
+        keep.append(line if line.endswith("\n") else line + "\n")
+    except (ValueError, KeyError, TypeError):
+      pass   # a line cut short by a kill
+  if keep != lines:
+    write_atomic(path, "".join(keep))
+
+
 def _read_history(path: Path, upto: int) -> tuple[list, list]:
   """(train, val) loss curves from metrics.jsonl, ignoring records past `upto`
   (left by a run that stopped after its last checkpoint)."""
@@ -138,8 +157,8 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
   ep = parallel.expert_parallel(mesh, cfg.mesh.exchange)   # None without a mesh
   rules = parallel.FSDP_RULES if cfg.mesh.fsdp else None
   out_dir = Path(t.out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
-  save_config(cfg, out_dir / "config.yaml")
+  # Nothing in the run directory is written until the config, data and checkpoint have all
+  # been checked: a refused command leaves config.yaml, metrics and summary as they were.
   data = load_data(cfg, out_dir)
   if data.tokenizer.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"tokenizer has {data.tokenizer.vocab_size} tokens, "
@@ -151,13 +170,24 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
   state = parallel.place_state(mesh, state, rules)   # restore below reads into these shardings
   moe_layers = model.moe_layers
   del model
-  ckpt = Checkpointer(out_dir / "checkpoints", keep=t.keep_checkpoints)
+  ckpt_dir = out_dir / "checkpoints"
+  ckpt = Checkpointer(ckpt_dir, keep=t.keep_checkpoints) if ckpt_dir.is_dir() else None
+  latest = ckpt.latest_step() if ckpt else None
   start = 0
-  if ckpt.latest_step() is not None:
-    state, _ = ckpt.restore(state, cfg)
+  if latest is not None:
+    state, _ = ckpt.restore(state, cfg, latest)
     start = int(state.step)
+    done = _finished(out_dir, start, t.steps, quiet) if start >= t.steps else None
+    if done is not None:
+      ckpt.close()
+      return done
     if not quiet:
-      print(f"resumed from {ckpt.directory}/{start}")
+      print(f"resumed from {ckpt.directory}/{latest}"
+            + (f" (its state is at step {start})" if start != latest else ""))
+  out_dir.mkdir(parents=True, exist_ok=True)
+  save_config(cfg, out_dir / "config.yaml")
+  _truncate_metrics(out_dir / "metrics.jsonl", start)
+  ckpt = ckpt or Checkpointer(ckpt_dir, keep=t.keep_checkpoints)
 
   step_fn = parallel.jit_train_step(mesh, make_train_step(cfg, graphdef), state, rules)
   eval_fn = parallel.jit_eval_step(mesh, make_eval_step(cfg, graphdef), state.params,
@@ -173,15 +203,20 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
   tokens_done, t0 = 0, None
   pbar = tqdm(total=t.steps, initial=start, disable=quiet, desc="train", dynamic_ncols=True)
 
-  def save(wait=False):
-    ckpt.save(step, state, cfg, {"data_step": step}, wait=wait)
+  def save(wait=False) -> int:
+    # The label is the state's own step, so a checkpoint's name is the step it resumes at.
+    label = int(jax.device_get(state.step))
+    ckpt.save(label, state, cfg, {"data_step": label}, wait=wait)
+    return label
 
   def fetch_or_stop():
     bad = metrics.fetch()
     if bad is not None:
+      good = ckpt.latest_step()
+      kept = (f"The last good checkpoint is step {good} in {ckpt.directory}" if good is not None
+              else "No checkpoint had been written yet")
       raise NonFiniteLossError(
-          f"loss became {bad[1]} at step {bad[0]}; stopped without saving. The last good "
-          f"checkpoint is step {ckpt.latest_step()} in {ckpt.directory}")
+          f"loss became {bad[1]} at step {bad[0]}; stopped without saving. {kept}")
 
   try:
     while step < t.steps:
@@ -199,24 +234,26 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
       save_now = step % t.checkpoint_every == 0 or final
       if log_now or eval_now or save_now:
         fetch_or_stop()
+      record = {"step": step}   # one metrics.jsonl row per step: train and eval metrics
       if log_now:
         elapsed = time.perf_counter() - t0 if t0 else 0.0
         h = metrics.last
-        record = {"step": step, "loss": float(h["loss"]), "aux_loss": float(h["aux_loss"]),
-                  "z_loss": float(h["z_loss"]), "grad_norm": float(h["grad_norm"]),
-                  "lr": float(h["lr"]), "tokens_per_s": tokens_done / elapsed if elapsed else 0.0}
+        record |= {"loss": float(h["loss"]), "aux_loss": float(h["aux_loss"]),
+                   "z_loss": float(h["z_loss"]), "grad_norm": float(h["grad_norm"]),
+                   "lr": float(h["lr"]), "tokens_per_s": tokens_done / elapsed if elapsed else 0.0}
         if moe_layers:
           record.update(metrics.interval_load_stats())
           record["experts_per_token"] = float(h["experts_per_token"])
-        writers.write(record)
         pbar.set_postfix(loss=f"{record['loss']:.3f}", aux=f"{record['aux_loss']:.3f}",
                          tok_s=f"{record['tokens_per_s']:.0f}")
       if eval_now:
         last_eval = evaluate(eval_fn, state.params, state.buffers, data, B, T, t.eval_batches)
-        writers.write({"step": step, **last_eval})
+        record |= last_eval
         if not quiet:
           pbar.write(f"step {step}: val loss {last_eval['val_loss']:.4f} "
-                     f"bpb {last_eval['val_bpb']:.4f}")
+                     f"bpb {last_eval['val_bpb']:.4f} ({last_eval['val_tokens']:,} tokens)")
+      if len(record) > 1:
+        writers.write(record)
       if save_now:
         save()
       pbar.update(1)
@@ -226,14 +263,16 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
     elif metrics.fetch() is not None:   # never save a state past a non-finite loss
       print(f"\ninterrupted after a non-finite loss; kept checkpoint {ckpt.latest_step()}")
     else:
-      save(wait=True)
-      print(f"\ninterrupted: saved checkpoint at step {step} in {ckpt.directory}")
+      label = save(wait=True)
+      print(f"\ninterrupted: saved checkpoint at step {label} in {ckpt.directory}/{label}")
     raise
   finally:
     pbar.close()
     writers.close()
     ckpt.wait()
 
+  if not last_eval:   # nothing trained (see _finished): the summary still has val metrics
+    last_eval = evaluate(eval_fn, state.params, state.buffers, data, B, T, t.eval_batches)
   elapsed = time.perf_counter() - t0 if t0 else 0.0
   train_curve, val_curve = _read_history(out_dir / "metrics.jsonl", step)
   paths = [str(plots.plot_losses(train_curve, val_curve, out_dir / "losses.png"))]
@@ -243,9 +282,22 @@ def train(cfg: Config, *, quiet: bool = False) -> dict:
     paths.append(str(plots.plot_expert_load(share, moe_layers, out_dir / "expert_load.png")))
   summary = {"step": step, "params": n_params, "active_params": n_active,
              "tokens_per_s": tokens_done / elapsed if elapsed else 0.0,
-             "train_loss": train_curve[-1][1] if train_curve else float("nan"),
+             "train_loss": train_curve[-1][1] if train_curve else None,
              **last_eval, "plots": paths, "run_dir": str(out_dir),
              "mesh": dict(mesh.shape) if mesh is not None else None}
-  (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+  write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False))
   ckpt.close()
+  return summary
+
+
+def _finished(out_dir: Path, at: int, steps: int, quiet: bool) -> dict | None:
+  """A run already at (or past) train.steps: nothing is trained or written; the summary of
+  the run is returned as saved (raise train.steps to train further)."""
+  path = out_dir / "summary.json"
+  if not path.is_file():
+    return None   # killed between the last checkpoint and the summary: train() writes it
+  summary = json.loads(path.read_text())
+  if not quiet:
+    print(f"{out_dir} is already trained to step {at} (train.steps={steps}): nothing to do; "
+          f"raise train.steps to train further")
   return summary

@@ -61,3 +61,17 @@ def test_ep_exchange_is_a_config_field_not_an_environment_variable(monkeypatch):
   with pytest.raises(ValueError, match="unknown exchange 'nccl'"):
     resolve_exchange("nccl")
   assert expert_parallel(None, "ragged") is None       # one device: the plain layer
+
+
+def test_malformed_yaml_names_the_file_and_line(tmp_path, capsys):
+  from moejax import cli
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("model:\n  d_model: 64\n  num_layers: [1\ntrain: {}\n")
+  with pytest.raises(ConfigError, match=rf"^{bad}:4:6: invalid YAML: while parsing a flow "
+                                        "sequence expected ',' or ']'"):
+    load_config(bad)
+  assert cli.main(["train", str(bad)]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and str(bad) in err and "<unicode string>" not in err
+  with pytest.raises(ConfigError, match=r"override 'train.steps=\[1': the value is not valid"):
+    load_config(None, ["train.steps=[1"])

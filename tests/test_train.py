@@ -213,10 +213,10 @@ def test_cli_calibrate_eval_ppl_and_quantized_generate(corpus, tmp_path, capsys)
                    "--max-batches", "1"]) == 0
   table = capsys.readouterr().out
   assert "bf16" in table and "2-bit +10% fp16 ch" in table
-  rows = json.loads((out / "kv_sweep.json").read_text())
+  rows = json.loads((out / "kv_sweep_kv16-2_out0-0.1_b1.json").read_text())["rows"]
   assert [r["bits"] for r in rows] == [16, 2, 2]
   assert rows[1]["kv_bytes_4k"] < rows[0]["kv_bytes_4k"] / 4
-  assert (out / "ppl_vs_bits.png").is_file()
+  assert (out / "kv_sweep_kv16-2_out0-0.1_b1.png").is_file()
   assert cli.main(["generate", str(out), "--prompt", "to be or", "--max-new-tokens", "3",
                    "--kv-bits", "2", "--kv-outliers", "0.1"]) == 0
   assert "2-bit" in capsys.readouterr().err
