@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
-import tempfile
 import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from moejax.atomic import write_atomic
 
 
 class ConfigError(ValueError):
@@ -269,20 +269,6 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
   """The one-line reason of a YAML error (its str() spans lines and names "<unicode string>")."""
   return " ".join(str(x) for x in (getattr(err, "context", None), getattr(err, "problem", None))
                   if x) or str(err).splitlines()[0]
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-  """Writes text to path via a temporary file in the same directory and a rename, so a
-  reader (or a killed writer) sees the old file or the new one, never a partial one."""
-  path = Path(path)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "w") as f:
-      f.write(text)
-    os.replace(tmp, path)
-  except BaseException:
-    Path(tmp).unlink(missing_ok=True)
-    raise
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

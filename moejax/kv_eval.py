@@ -276,7 +276,7 @@ def run_sweep(run_dir: Path, settings: list[KVSetting], *, max_batches: int | No
               ) -> tuple[list[dict], dict[str, str]]:
   """Loads the run, calibrates if needed, sweeps, writes JSON + PNG named after the
   settings next to the checkpoints (both only once the sweep has succeeded)."""
-  from moejax.config import write_atomic
+  from moejax.atomic import write_atomic
   from moejax.generate import load_trained
   from moejax.run_io import load_data
   if max_batches is not None and max_batches < 1:

@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 
 from moejax import parallel, plots
 from moejax.checkpoint import Checkpointer
-from moejax.config import Config, save_config, write_atomic
+from moejax.atomic import write_atomic
+from moejax.config import Config, save_config
 from moejax.data import train_batch
 from moejax.evaluate import evaluate
 from moejax.run_io import load_data

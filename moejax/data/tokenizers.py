@@ -13,12 +13,12 @@ import hashlib
 import io
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from moejax.atomic import write_atomic
 from moejax.data.corpus import default_cache_root
 
 # Bumped whenever the BPE training options change, so old caches are not reused.
@@ -120,7 +120,7 @@ class SentencePieceTokenizer(_ByteCounting):
 
   def save(self, path: str | os.PathLike) -> None:
     """Writes the model (e.g. next to a checkpoint); load with from_file."""
-    _atomic_write(Path(path), self.model_proto)
+    write_atomic(Path(path), self.model_proto)
 
   @classmethod
   def train(cls, text: str, vocab_size: int,
@@ -149,7 +149,7 @@ class SentencePieceTokenizer(_ByteCounting):
     if path.is_file():
       return cls(path.read_bytes(), name=name)
     proto = _train_bpe(text, vocab_size)
-    _atomic_write(path, proto)
+    write_atomic(path, proto)
     return cls(proto, name=name)
 
   def encode(self, text: str) -> np.ndarray:
@@ -183,18 +183,6 @@ def _train_bpe(text: str, vocab_size: int) -> bytes:
       input_sentence_size=2_000_000, shuffle_input_sentence=True,
       num_threads=os.cpu_count() or 1, minloglevel=2)
   return model.getvalue()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-    os.replace(tmp, path)
-  except BaseException:
-    Path(tmp).unlink(missing_ok=True)
-    raise
 
 
 def build_tokenizer(kind: str, vocab_size: int | None = None,
