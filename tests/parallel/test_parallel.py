@@ -2,7 +2,7 @@
 
 XLA_FLAGS=--xla_force_host_platform_device_count=8 has to be set before jax is imported, so
 the multi-device checks run in a subprocess: this file run as a script (`python
-tests/test_parallel.py CASE...`) is the worker; it prints one JSON line of measured
+tests/parallel/test_parallel.py CASE...`) is the worker; it prints one JSON line of measured
 differences, and the tests below assert on them. The pytest process itself keeps its one
 device (mesh errors are checked there).
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEVICES = 8
 SMALL = ["model.d_model=16", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
          "model.head_dim=8", "model.ffn_hidden=16", "model.max_seq_len=16", "model.init_std=0.3",
@@ -398,7 +398,7 @@ def _worker(ckpt_dir: str) -> dict:
 
 def _ragged_check() -> dict:
   """ragged_all_to_all vs the padded stand-in, on a backend that has it (GPU/TPU, >= 2
-  devices): `JAX_PLATFORMS=cuda python tests/test_parallel.py --ragged-check`."""
+  devices): `JAX_PLATFORMS=cuda python tests/parallel/test_parallel.py --ragged-check`."""
   import jax
   import jax.numpy as jnp
   from moejax import parallel
