@@ -8,15 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
 from moejax import cli, demo, train as train_mod
 from moejax.checkpoint import Checkpointer
-from moejax.config import load_config
 from moejax.state import init_state
-from test_train import SMALL, cfg_for, corpus  # noqa: F401  (corpus is a fixture)
+from test_train import SMALL, cfg_for, corpus, interrupt_at  # noqa: F401  (corpus is a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,14 +83,7 @@ def test_refused_commands_leave_config_yaml_byte_identical(corpus, tmp_path, cap
 def test_ctrl_c_checkpoint_label_is_its_step_and_resume_names_it(corpus, tmp_path, capsys,
                                                                  monkeypatch):
   run = tmp_path / "int"
-  real_batch = train_mod.train_batch
-
-  def interrupting(tokens, B, T, seed, step):
-    if step == 5:
-      raise KeyboardInterrupt
-    return real_batch(tokens, B, T, seed, step)
-
-  monkeypatch.setattr(train_mod, "train_batch", interrupting)
+  real_batch = interrupt_at(monkeypatch, 5)
   with pytest.raises(KeyboardInterrupt):
     train_mod.train(cfg_for(corpus, run, "train.steps=8"))
   assert f"saved checkpoint at step 5 in {run.absolute()}/checkpoints/5" in capsys.readouterr().out

@@ -155,16 +155,23 @@ def test_eval_and_generate_restore_params_only(corpus, tmp_path, monkeypatch):
   assert cli.main(["eval", str(run), "--max-batches", "1"]) == 0
 
 
-def test_ctrl_c_saves_a_checkpoint(corpus, tmp_path, monkeypatch):
-  cfg = cfg_for(corpus, tmp_path / "int", "train.steps=8")
+def interrupt_at(monkeypatch, at_step: int):
+  """Makes the training loop raise KeyboardInterrupt when it asks for batch ``at_step``;
+  returns the real batch function (to put back for a resume)."""
   real_batch = train_mod.train_batch
 
   def interrupting(tokens, B, T, seed, step):
-    if step == 5:
+    if step == at_step:
       raise KeyboardInterrupt
     return real_batch(tokens, B, T, seed, step)
 
   monkeypatch.setattr(train_mod, "train_batch", interrupting)
+  return real_batch
+
+
+def test_ctrl_c_saves_a_checkpoint(corpus, tmp_path, monkeypatch):
+  cfg = cfg_for(corpus, tmp_path / "int", "train.steps=8")
+  interrupt_at(monkeypatch, 5)
   with pytest.raises(KeyboardInterrupt):
     train_mod.train(cfg, quiet=True)
   assert Checkpointer(tmp_path / "int" / "checkpoints").latest_step() == 5

@@ -23,8 +23,8 @@ from pallas_kernels import _implementation as impl_lib
 from pallas_kernels._implementation import dispatch, resolve_interpret
 from pallas_kernels.decode_attention.mosaic_gpu import MosaicGpuConfig, decode_attention_mosaic
 from pallas_kernels.decode_attention.tpu import decode_attention_tpu
-from pallas_kernels.decode_attention.triton import (
-    TritonBf16Config, TritonConfig, decode_attention_bf16_triton, decode_attention_triton)
+from pallas_kernels.decode_attention.triton import TritonConfig, decode_attention_triton
+from pallas_kernels.decode_attention.triton_bf16 import TritonBf16Config, decode_attention_bf16_triton
 from pallas_kernels.decode_attention.xla import decode_attention_bf16_xla, decode_attention_xla
 from pallas_kernels.kv.quant import QuantizedKV
 

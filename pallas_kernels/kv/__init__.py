@@ -1,5 +1,6 @@
 """The quantized KV cache: sub-byte packing (``packing``), the layout every kernel reads
-(``layout``), the quantizer and ``QuantizedKV`` (``quant``); ``reference`` for tests."""
+(``layout``), group-wise min/max quantization (``groups``), the quantizer and ``QuantizedKV``
+(``quant``); ``reference`` for tests."""
 from pallas_kernels.kv.layout import KVLayout, KVQuantConfig
 from pallas_kernels.kv.packing import codes_per_word, pack, pack_jnp, padded_length, unpack, unpack_jnp
 from pallas_kernels.kv.quant import (

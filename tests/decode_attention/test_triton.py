@@ -9,7 +9,7 @@ import pytest
 from pallas_kernels import Unsupported
 from pallas_kernels.decode_attention import TritonBf16Config, TritonConfig, decode_attention, decode_attention_bf16
 from pallas_kernels.decode_attention import reference
-from pallas_kernels.decode_attention import triton
+from pallas_kernels.decode_attention import triton, triton_bf16
 from pallas_kernels.kv import quant as kq
 
 
@@ -180,6 +180,6 @@ def test_bf16_lowers_for_cuda():
   q = jax.ShapeDtypeStruct((2, 8, 128), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, 2, 4096, 128), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-  text = _cuda_text(lambda q, k, v, L: triton._decode_bf16(q, k, v, L, sm_scale=0.1, config=TritonBf16Config(),
+  text = _cuda_text(lambda q, k, v, L: triton_bf16._decode_bf16(q, k, v, L, sm_scale=0.1, config=TritonBf16Config(),
                                                            interpret=False), q, k, k, lengths)
   assert "decode_attention_bf16" in text
