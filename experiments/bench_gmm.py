@@ -299,27 +299,34 @@ def main():
       record(case, "drhs", f"tgmm[{tl.bm},{tl.bk},{tl.bn},w{tl.num_warps},st{tl.num_stages}]",
              t, flops, 0.0)
 
-  def quant_decode(case, x, w, gs, sizes):
-    """Weight-only int8 / int4 experts at decode: bytes are the routed experts' codes + scales."""
-    for bits in (8, 4):
-      try:
-        q = quantize_expert_weights(w, bits=bits)
-        f = jax.jit(lambda x, q, gs: gmm_lib.gmm(x, q, gs, interpret=interpret))
-        total = int(sizes.sum())
-        want = jax.lax.ragged_dot(x, dequantize_expert_weights(q, x.dtype), gs,
-                                  preferred_element_type=jnp.float32)[:total]
-        err = rel_err(block(f(x, q, gs)).astype(jnp.float32)[:total], want)
-        t = time_fn(f, (x, q, gs), reps=reps)
-        routed = int((sizes > 0).sum()) * q.nbytes // w.shape[0]
-        flops = 2.0 * total * w.shape[1] * w.shape[2]
-        ex = dict(err_vs_dequant=err)
-        if copy_bw == copy_bw:
-          ex["frac_copy_bw"] = routed / t / copy_bw
-        record(case, "fwd", f"gmm_int{bits}", t, flops, routed, ex)
-      except Exception as exc:  # noqa: BLE001
-        traceback.print_exc(limit=2)
-        results["rows"].append(dict(case=case, pass_="fwd", impl=f"gmm_int{bits}",
-                                    error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+  def quant_decode(case, x, w, gs, sizes, sweep_tilings=()):
+    """Weight-only int8 / int4 experts at decode (per output channel and 128-row scale
+    groups): bytes are the routed experts' codes + scales."""
+    total = int(sizes.sum())
+    g = 128 if w.shape[1] >= 512 else 16
+    for bits, group in ((8, None), (8, g), (4, None), (4, g)):
+      q = quantize_expert_weights(w, bits=bits, group_size=group)
+      want = jax.lax.ragged_dot(x, dequantize_expert_weights(q, x.dtype), gs,
+                                preferred_element_type=jnp.float32)[:total]
+      routed = int((sizes > 0).sum()) * q.nbytes // w.shape[0]
+      flops = 2.0 * total * w.shape[1] * w.shape[2]
+      label = f"gmm_int{bits}" + ("" if group is None else f"_g{group}")
+      for tl in (None,) + tuple(sweep_tilings):
+        name = label if tl is None else label + (
+            f"[{tl.bk},{tl.bn},s{tl.split_k},w{tl.num_warps},st{tl.num_stages}]")
+        try:
+          f = jax.jit(lambda x, q, gs, tl=tl: gmm_lib.gmm(x, q, gs, config=tl,
+                                                          interpret=interpret))
+          err = rel_err(block(f(x, q, gs)).astype(jnp.float32)[:total], want)
+          t = time_fn(f, (x, q, gs), reps=reps)
+          ex = dict(err_vs_dequant=err)
+          if copy_bw == copy_bw:
+            ex["frac_copy_bw"] = routed / t / copy_bw
+          record(case, "fwd", name, t, flops, routed, ex)
+        except Exception as exc:  # noqa: BLE001
+          traceback.print_exc(limit=2)
+          results["rows"].append(dict(case=case, pass_="fwd", impl=name,
+                                      error=f"{type(exc).__name__}: {str(exc)[:300]}"))
 
   rng = np.random.default_rng(0)
   key = jax.random.key(42)
@@ -365,7 +372,14 @@ def main():
                ] if args.sweep else []
       case = f"c_decode_{tokens}tok_{m}rows_{int((sizes > 0).sum())}exp"
       run_case(case, x, w, gs, dy, dense=False, sweep_tilings=sweep, routed_bytes=routed)
-      quant_decode(case, x, w, gs, sizes)
+      qsweep = [dataclasses.replace(base, bk=bk, bn=bn, split_k=sk, num_warps=nw,
+                                    num_stages=st)
+                for bk, bn, sk, nw, st in ((128, 128, 1, 4, 4), (128, 128, 2, 4, 4),
+                                           (128, 128, 4, 4, 4), (256, 64, 2, 4, 3),
+                                           (64, 256, 4, 4, 4), (128, 256, 2, 8, 3),
+                                           (256, 128, 1, 8, 3), (64, 128, 8, 4, 6))
+                ] if args.sweep else []
+      quant_decode(case, x, w, gs, sizes, qsweep)
 
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "bench_gmm.json")

@@ -68,19 +68,79 @@ def _compiler_params(t: TritonConfig):
   return pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
 
 
-def _dequant_block(codes, *, bits: int, half: int, dtype):
-  """int codes block -> `dtype` values (exact). 4-bit: half 0 = low nibble, 1 = high."""
+# bf16 from codes without int-to-float conversions (quarter-rate instructions on Hopper,
+# which held int8 / int4 decode to the bf16 kernel's element rate). bf16 has 7 mantissa
+# bits: a nibble n ORed under the exponent of 128 reads as 128 + n (a high nibble, shifted
+# down by one, as 128 + 8n), and one bf16x2 fma per pair of values removes the offset;
+# every step is exact.
+_BF16X2 = dict(one="0x3F803F80", two="0x40004000", eighth="0x3E003E00", m136="0xC308C308",
+               m24="0xC1C0C1C0", m512="0xC400C400", lo="0x000F000F", hi="0x00780078",
+               magic="0x43004300")
+# 4 packed int4 bytes ($2) -> low nibbles - 8 ($0, $1) / high nibbles - 8. Two blocks, as
+# Pallas takes one result per asm; ptxas merges their common byte spreading.
+_INT4_LO_ASM = """{
+.reg .b32 t0, t1, one, m136;
+mov.b32 one, %(one)s; mov.b32 m136, %(m136)s;
+prmt.b32 t0, $2, 0, 0x4140;
+prmt.b32 t1, $2, 0, 0x4342;
+lop3.b32 $0, t0, %(lo)s, %(magic)s, 0xEA;
+lop3.b32 $1, t1, %(lo)s, %(magic)s, 0xEA;
+fma.rn.bf16x2 $0, $0, one, m136;
+fma.rn.bf16x2 $1, $1, one, m136;
+}""" % _BF16X2
+_INT4_HI_ASM = """{
+.reg .b32 t0, t1, eighth, m24;
+mov.b32 eighth, %(eighth)s; mov.b32 m24, %(m24)s;
+prmt.b32 t0, $2, 0, 0x4140;
+prmt.b32 t1, $2, 0, 0x4342;
+shr.b32 t0, t0, 1;
+shr.b32 t1, t1, 1;
+lop3.b32 $0, t0, %(hi)s, %(magic)s, 0xEA;
+lop3.b32 $1, t1, %(hi)s, %(magic)s, 0xEA;
+fma.rn.bf16x2 $0, $0, eighth, m24;
+fma.rn.bf16x2 $1, $1, eighth, m24;
+}""" % _BF16X2
+# 4 int8 codes ($2) -> bf16 ($0, $1): u = c + 128 = 16 u_hi + u_lo, and
+# c = (128 + u_lo) + (2 (128 + 8 u_hi) - 512); the partial sums are exact in bf16.
+_INT8_ASM = """{
+.reg .b32 u, t0, t1, s0, s1, h0, h1, one, two, m512;
+mov.b32 one, %(one)s; mov.b32 two, %(two)s; mov.b32 m512, %(m512)s;
+xor.b32 u, $2, 0x80808080;
+prmt.b32 t0, u, 0, 0x4140;
+prmt.b32 t1, u, 0, 0x4342;
+shr.b32 s0, t0, 1;
+shr.b32 s1, t1, 1;
+lop3.b32 h0, s0, %(hi)s, %(magic)s, 0xEA;
+lop3.b32 h1, s1, %(hi)s, %(magic)s, 0xEA;
+lop3.b32 $0, t0, %(lo)s, %(magic)s, 0xEA;
+lop3.b32 $1, t1, %(lo)s, %(magic)s, 0xEA;
+fma.rn.bf16x2 h0, h0, two, m512;
+fma.rn.bf16x2 h1, h1, two, m512;
+fma.rn.bf16x2 $0, $0, one, h0;
+fma.rn.bf16x2 $1, $1, one, h1;
+}""" % _BF16X2
+
+
+def _dequant_block(codes, *, bits: int, dtype, fast: bool):
+  """Codes block -> exact values in `dtype`: [w] for int8, [low nibbles, high nibbles] for
+  packed int4. fast: the bf16 inline-PTX form (compiled bf16 kernels only)."""
+  if fast:
+    asm = pltriton.elementwise_inline_asm
+    out = [jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)]
+    blocks = (_INT8_ASM,) if bits == 8 else (_INT4_LO_ASM, _INT4_HI_ASM)
+    return [asm(code, args=[codes], constraints="=r,=r,r", pack=4, result_shape_dtypes=out)[0]
+            for code in blocks]
   if bits == 8:
-    return codes.astype(jnp.float32).astype(dtype)
+    return [codes.astype(jnp.float32).astype(dtype)]
   c = codes.astype(jnp.int32)
-  c = (c >> 4) if half else c
-  return ((c & 0xF) - 8).astype(jnp.float32).astype(dtype)
+  return [((c & 0xF) - 8).astype(jnp.float32).astype(dtype),
+          (((c >> 4) & 0xF) - 8).astype(jnp.float32).astype(dtype)]
 
 
 def _gmm_kernel(group_ref, mtile_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, *rest,
                 e: int, i_size: int, o_size: int, t: TritonConfig, w_count: int,
                 transpose_rhs: bool, bits: int | None, scale_group: int | None,
-                compute_dtype):
+                compute_dtype, fast_dequant: bool):
   """One program: work tile w x output columns [o0, o0+bn) x one reduction split."""
   if bits is None:
     (out_ref,) = rest
@@ -149,10 +209,9 @@ def _gmm_kernel(group_ref, mtile_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, *rest,
         wv = load_rhs(ip, ivalid).astype(compute_dtype)
         return acc + jax.lax.dot_general(x, wv, dims, preferred_element_type=jnp.float32)
       codes = load_rhs(ip, ivalid)
-      halves = ((0, ip),) if bits == 8 else ((0, ip), (1, ip + i_red))
-      for half, icol in halves:
+      values = _dequant_block(codes, bits=bits, dtype=compute_dtype, fast=fast_dequant)
+      for wv, icol in zip(values, (ip, ip + i_red)):
         x = load_lhs(icol, ivalid)
-        wv = _dequant_block(codes, bits=bits, half=half, dtype=compute_dtype)
         part = jax.lax.dot_general(x, wv, dims, preferred_element_type=jnp.float32)
         if scale_group is not None:  # bk divides scale_group: one scale row
           part = part * load_scale(icol // scale_group)[None, :]
@@ -192,7 +251,8 @@ def gmm(lhs_MI, rhs, group_sizes_E, scales_EQO=None, *, o: int, config: TritonCo
   kernel = functools.partial(
       _gmm_kernel, e=e, i_size=i, o_size=o, t=t, w_count=w_count,
       transpose_rhs=transpose_rhs, bits=bits, scale_group=scale_group,
-      compute_dtype=compute_dtype)
+      compute_dtype=compute_dtype,
+      fast_dequant=bool(bits) and not interpret and compute_dtype == jnp.bfloat16)
   split_dtype = jnp.float32 if t.split_k > 1 else out_dtype
   out_shape = (t.split_k, m, o) if t.split_k > 1 else (m, o)
   args = [meta.group_W, meta.mtile_W, meta.lo_W, meta.hi_W, lhs_MI, rhs]
