@@ -40,11 +40,14 @@ def _demo(args) -> int:
                  fmt("val_ppl", ".3f"), fmt("val_bpb", ".4f"), fmt("val_tokens", ",")]],
                ["step", "train loss", "val loss", "val ppl", "val bits/byte", "val tokens"]))
 
-  from moejax.generate import cache_nbytes, generate, load_trained
+  from moejax.inference import Engine, SamplingConfig, cache_nbytes, load_trained
   tm = load_trained(run_dir)
   prompt = "ROMEO:\n"
-  ids, caches = generate(tm, tm.tokenizer.encode(prompt)[None], 160, temperature=0.8, top_k=40)
-  print(f"\nsample (bf16 KV cache, {cache_nbytes(caches):,} bytes):\n{tm.tokenizer.decode(ids[0])}\n")
+  ids = list(tm.tokenizer.encode(prompt))
+  (new_ids,), caches = Engine.from_trained(tm).generate(
+      [ids], 160, sampling=SamplingConfig(temperature=0.8, top_k=40))
+  print(f"\nsample (bf16 KV cache, {cache_nbytes(caches):,} bytes):\n"
+        f"{tm.tokenizer.decode(ids + new_ids)}\n")
 
   from moejax.kv_eval import demo_sweep
   demo_sweep(run_dir)

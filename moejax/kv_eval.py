@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from moejax.config import Config
 from moejax.data import TokenDataset, spread_val_batches, train_batch, val_batches
-from moejax.generate import TrainedModel
+from moejax.inference.load import TrainedModel
 from moejax.model.kv_cache import (OutlierStats, QuantizedKVCache, TeacherForcedQuantKV,
                                    kv_quant_config)
 from pallas_kernels.kv import quant as pk
@@ -130,7 +130,7 @@ class _PlainAttention:
 
 
 def quantized_cache_factory(setting: KVSetting, ranks):
-  """For generate(): per-layer QuantizedKVCache (bf16 DenseKVCache for 16-bit layers)."""
+  """For the generation Engine: per-layer QuantizedKVCache (bf16 DenseKVCache for 16-bit layers)."""
   from moejax.model.kv_cache import DenseKVCache
 
   def factory(cfg: Config, batch: int, capacity: int) -> list:
@@ -277,7 +277,7 @@ def run_sweep(run_dir: Path, settings: list[KVSetting], *, max_batches: int | No
   """Loads the run, calibrates if needed, sweeps, writes JSON + PNG named after the
   settings next to the checkpoints (both only once the sweep has succeeded)."""
   from moejax.atomic import write_atomic
-  from moejax.generate import load_trained
+  from moejax.inference.load import load_trained
   from moejax.run_io import load_data
   if max_batches is not None and max_batches < 1:
     raise ValueError(f"max_batches={max_batches}: must be >= 1 (None: the whole split)")

@@ -9,7 +9,7 @@ from jax._src.array import ArrayImpl
 from moejax import checkpoint, cli, state as state_mod, train as train_mod
 from moejax.checkpoint import Checkpointer
 from moejax.config import load_config
-from moejax.generate import generate, load_trained
+from moejax.inference import Engine, load_trained
 from moejax.state import init_state
 
 SMALL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
@@ -199,8 +199,9 @@ def test_bf16_cache_generation_reproduces_full_forward(corpus, tmp_path):
   cfg = cfg_for(corpus, tmp_path / "gen", "train.steps=2", "model.dtype=float32")
   train_mod.train(cfg, quiet=True)
   tm = load_trained(tmp_path / "gen")
-  prompt = np.array([[5, 9, 30, 7]], np.int32)
-  ids, caches = generate(tm, prompt, 10, temperature=0.0)
+  prompt = [5, 9, 30, 7]
+  (new,), caches = Engine.from_trained(tm).generate([prompt], 10)   # greedy by default
+  ids = np.array([prompt + new], np.int32)
   # Greedy decoding through the cache must equal argmax of the full forward pass.
   logits, _, _ = tm.module()(ids[:, :-1])
   np.testing.assert_array_equal(np.asarray(logits.argmax(-1))[:, 3:], ids[:, 4:])

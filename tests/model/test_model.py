@@ -119,7 +119,7 @@ def test_model_does_not_import_parallel():
   """parallel -> model only: the model learns of expert parallelism through its `ep`."""
   import subprocess
   import sys
-  code = ("import sys, moejax.state, moejax.generate; "
+  code = ("import sys, moejax.state, moejax.inference; "
           "print(sorted(m for m in sys.modules if m.startswith('moejax.parallel')))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "[]", out.stdout
