@@ -5,17 +5,19 @@ and `meta` (JSON: the config and the data position). orbax writes into a tempora
 directory and renames it when complete, so an interrupted save never damages the
 checkpoints already written. Resuming restores the whole TrainState; evaluation and
 generation restore only params and buffers (`restore_params`, an orbax partial restore),
-so they never read or allocate the optimizer state.
+so they never read or allocate the optimizer state. `save_params` writes only those (a
+quantized run's checkpoint, which can be evaluated but not resumed).
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
-from moejax.config import Config, from_dict
+from moejax.config import Config, InferenceConfig, from_dict
 from moejax.state import TrainState
 
 
@@ -41,7 +43,7 @@ def _abstract(x):
 
 
 # Sections whose values change the parameter shapes: a mismatch there cannot be restored.
-_SHAPE_SECTIONS = ("model", "moe")
+_SHAPE_SECTIONS = ("model", "moe", "inference")
 _SHAPE_FREE = {"moe.routing", "moe.renormalize", "moe.top_p", "moe.max_k", "moe.capacity_factor",
                "moe.expert_impl", "moe.aux_loss_coef", "moe.z_loss_coef", "moe.bias_update_rate",
                "moe.top_k", "model.dtype", "model.rope_theta", "model.norm_eps", "model.init_std",
@@ -52,10 +54,14 @@ def config_mismatches(saved: dict, current: Config) -> list[str]:
   """'section.key: saved -> current' for every setting that changes parameter shapes."""
   out = []
   cur = current.to_dict()
+  # A checkpoint older than the inference section holds float experts (its defaults); the
+  # group size shapes nothing while both sides keep 16-bit experts.
+  saved = {**saved, "inference": {**dataclasses.asdict(InferenceConfig()), **saved.get("inference", {})}}
+  float_experts = saved["inference"]["expert_bits"] == current.inference.expert_bits == 16
   for section in _SHAPE_SECTIONS:
     for key, value in saved.get(section, {}).items():
       name = f"{section}.{key}"
-      if name in _SHAPE_FREE:
+      if name in _SHAPE_FREE or (name == "inference.expert_group_size" and float_experts):
         continue
       if cur[section].get(key) != value:
         out.append(f"{name}: checkpoint has {value!r}, config has {cur[section].get(key)!r}")
@@ -83,6 +89,11 @@ class Checkpointer:
         state=ocp.args.PyTreeSave(_flatten(state)), meta=ocp.args.JsonSave(meta)), force=True)
     if wait:
       self.manager.wait_until_finished()
+
+  def save_params(self, step: int, params, buffers, cfg: Config, extra: dict | None = None):
+    """A checkpoint of the model's arrays only (no optimizer state, step or RNG), for
+    restore_params: what `moejax quantize` writes. Waits until it is on disk."""
+    self.save(step, TrainState(params, buffers, None, None, None), cfg, extra, wait=True)
 
   def read_meta(self, step: int | None = None) -> dict:
     step = self.latest_step() if step is None else step

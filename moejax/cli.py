@@ -1,4 +1,4 @@
-"""Command line: moejax train | eval | generate | calibrate | eval-ppl  (see `moejax -h`)."""
+"""Command line: moejax train | eval | generate | calibrate | eval-ppl | quantize  (see `moejax -h`)."""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +23,7 @@ def _cmd_train(args) -> int:
 def _cmd_eval(args) -> int:
   import jax
   from moejax.evaluate import evaluate
-  from moejax.generate import load_trained
+  from moejax.inference.load import load_trained
   from moejax.run_io import load_data
   from moejax.state import make_eval_step
   tm = load_trained(args.run_dir, args.overrides)
@@ -36,27 +36,32 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-  from moejax.generate import cache_nbytes, dense_caches, generate, load_trained
+  import numpy as np
+  from moejax.inference import (Engine, SamplingConfig, cache_nbytes, dense_caches,
+                                end_token_ids, load_trained)
   from moejax.kv_eval import KVSetting, load_calibration, quantized_cache_factory
   if args.kv_bits not in (2, 3, 4, 8, 16):
     raise ValueError(f"--kv-bits {args.kv_bits}: must be one of 2, 3, 4, 8, 16")
+  sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)  # bad values: before loading
   tm = load_trained(args.run_dir, args.overrides)
   factory = dense_caches
   if args.kv_bits != 16:
     factory = quantized_cache_factory(KVSetting(args.kv_bits, args.kv_outliers),
                                       load_calibration(Path(args.run_dir)))
-  ids = tm.tokenizer.encode(args.prompt)[None]
-  out, caches = generate(tm, ids, args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, seed=args.seed, cache_factory=factory)
-  print(tm.tokenizer.decode(out[0]))
+  ids = tm.tokenizer.encode(args.prompt)
+  (new_ids,), caches = Engine.from_trained(tm, factory).generate(
+      [ids], args.max_new_tokens, sampling=sampling, stop_tokens=end_token_ids(tm.tokenizer),
+      seed=args.seed)
+  print(tm.tokenizer.decode(np.concatenate([ids, np.asarray(new_ids, np.int32)])))
   kind = "bf16" if args.kv_bits == 16 else f"{args.kv_bits}-bit + {args.kv_outliers:.0%} fp16 channels"
-  print(f"\n[kv cache ({kind}), {out.shape[1]} tokens capacity: {cache_nbytes(caches):,} bytes]",
+  capacity = len(ids) + args.max_new_tokens
+  print(f"\n[kv cache ({kind}), {capacity} tokens capacity: {cache_nbytes(caches):,} bytes]",
         file=sys.stderr)
   return 0
 
 
 def _cmd_calibrate(args) -> int:
-  from moejax.generate import load_trained
+  from moejax.inference.load import load_trained
   from moejax.kv_eval import calibrate, save_calibration
   from moejax.run_io import load_data
   tm = load_trained(args.run_dir, args.overrides)
@@ -79,6 +84,13 @@ def _cmd_eval_ppl(args) -> int:
   print(f"\neach setting scored on {rows[0]['val_tokens']:,} validation tokens "
         f"({rows[0]['val_batches']} batches)")
   print(f"\n{paths['json']}\n{paths['plot']}")
+  return 0
+
+
+def _cmd_quantize(args) -> int:
+  from moejax.inference.quantize import quantize_run
+  summary = quantize_run(args.run_dir, args.out_dir, args.expert_bits, args.group_size)
+  print(json.dumps(summary, indent=2))
   return 0
 
 
@@ -116,8 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("overrides", nargs="*", help="e.g. kv_cache.group_size=16")
   g.add_argument("--prompt", required=True)
   g.add_argument("--max-new-tokens", type=_int_at_least(1), default=200)
-  g.add_argument("--temperature", type=float, default=0.8)
+  g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
   g.add_argument("--top-k", type=_int_at_least(0), default=40, help="0: no top-k cut")
+  g.add_argument("--top-p", type=float, default=1.0,
+                 help="nucleus: sample from the most likely tokens holding this much "
+                      "probability (1: no cut)")
   g.add_argument("--seed", type=int, default=0)
   g.add_argument("--kv-bits", type=int, default=16, help="16 (bf16) or 2/3/4/8 (quantized cache)")
   g.add_argument("--kv-outliers", type=float, default=0.0,
@@ -137,6 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
   q.add_argument("--outliers", type=float, nargs="+", default=[0.0, 0.01, 0.15])
   q.add_argument("--max-batches", type=_int_at_least(1), default=8)
   q.set_defaults(fn=_cmd_eval_ppl)
+
+  z = sub.add_parser("quantize", help="a new run directory with int8 / int4 expert weights "
+                                      "(for eval and generate)")
+  z.add_argument("run_dir", help="a trained run (its latest checkpoint)")
+  z.add_argument("out_dir", help="the quantized run to write: new or empty")
+  z.add_argument("--expert-bits", type=int, required=True, help="8 or 4")
+  z.add_argument("--group-size", type=int, default=128,
+                 help="rows of the contraction dim per scale; 0: one scale per output channel")
+  z.set_defaults(fn=_cmd_quantize)
   return p
 
 

@@ -119,6 +119,18 @@ class MeshConfig:
   exchange: str = "auto"         # dropless EP token exchange: auto | ragged | padded
 
 
+# inference.expert_bits: 16 keeps the training layout (w_gate_EDF, w_up_EDF, w_down_EFD);
+# 8 | 4 hold every MoE layer's routed experts as int8 / packed int4 codes + float32 scales.
+EXPERT_BITS = (16, 8, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceConfig:
+  expert_bits: int = 16          # 16: float experts (trainable); 8 | 4: quantized (eval, generate)
+  expert_group_size: int = 128   # one scale per this many rows of the contraction dim (D for
+                                 # gate|up, F for down); 0: one scale per output channel
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   model: ModelConfig = ModelConfig()
@@ -127,6 +139,7 @@ class Config:
   train: TrainConfig = TrainConfig()
   kv_cache: KVCacheConfig = KVCacheConfig()
   mesh: MeshConfig = MeshConfig()
+  inference: InferenceConfig = InferenceConfig()
 
   def to_dict(self) -> dict[str, Any]:
     return _to_plain(dataclasses.asdict(self))
@@ -295,7 +308,7 @@ def validate(cfg: Config) -> None:
   """Raises ConfigError naming the first impossible setting."""
   m, e, d, t, kv = cfg.model, cfg.moe, cfg.data, cfg.train, cfg.kv_cache
   for section, obj in (("model", m), ("moe", e), ("data", d), ("train", t), ("kv_cache", kv),
-                       ("mesh", cfg.mesh)):
+                       ("mesh", cfg.mesh), ("inference", cfg.inference)):
     for f in dataclasses.fields(obj):
       choice = _CHOICES.get(f"{section}.{f.name}")
       value = getattr(obj, f.name)
@@ -371,6 +384,31 @@ def validate(cfg: Config) -> None:
   if cfg.mesh.expert > 0 and e.num_experts % cfg.mesh.expert:
     raise ConfigError(
         f"mesh.expert={cfg.mesh.expert} does not divide moe.num_experts={e.num_experts}")
+  _validate_inference(cfg)
+
+
+def _validate_inference(cfg: Config) -> None:
+  """Quantized experts: the widths each scale group spans must split evenly (quantize_expert_
+  weights' rules: int4 packs the contraction rows in two halves, groups span a half)."""
+  q = cfg.inference
+  if q.expert_bits not in EXPERT_BITS:
+    raise ConfigError(f"inference.expert_bits={q.expert_bits}: must be one of 16 (float), "
+                      "8 or 4 (quantized)")
+  if q.expert_group_size < 0:
+    raise ConfigError(f"inference.expert_group_size={q.expert_group_size}: must be >= 0 "
+                      "(0: one scale per output channel)")
+  if q.expert_bits == 16:
+    return
+  widths = {"model.d_model": cfg.model.d_model, "moe.expert_hidden": cfg.moe.expert_hidden}
+  for name, width in widths.items():
+    if q.expert_bits == 4 and width % 2:
+      raise ConfigError(f"{name}={width} must be even for inference.expert_bits=4 (int4 packs "
+                        "two rows per byte)")
+    span = width // 2 if q.expert_bits == 4 else width
+    if q.expert_group_size and span % q.expert_group_size:
+      what = f"{name}/2={span}" if q.expert_bits == 4 else f"{name}={width}"
+      raise ConfigError(f"inference.expert_group_size={q.expert_group_size} must divide {what} "
+                        f"(the rows one scale group spans at {q.expert_bits} bits), or be 0")
 
 
 def is_moe_layer(cfg: Config, layer: int) -> bool:

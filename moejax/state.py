@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from moejax.config import Config
+from moejax.config import Config, ConfigError
 from moejax.model import routing
 from moejax.model.moe import RouterBias
 from moejax.model.transformer import Transformer
@@ -70,7 +70,18 @@ def abstract_model(cfg: Config):
   return split_model(nnx.eval_shape(lambda: build_model(cfg, cfg.train.seed)))
 
 
+def check_trainable(cfg: Config) -> None:
+  """Quantized experts are integer codes: no gradients, no optimizer. Refused up front."""
+  if cfg.inference.expert_bits != 16:
+    raise ConfigError(
+        f"inference.expert_bits={cfg.inference.expert_bits}: quantized expert weights are for "
+        "inference (eval, generate) and cannot be trained; train with inference.expert_bits=16, "
+        "then quantize the trained run: moejax quantize RUN_DIR OUT_DIR --expert-bits "
+        f"{cfg.inference.expert_bits}")
+
+
 def init_state(cfg: Config, model: Transformer | None = None) -> tuple[Any, TrainState]:
+  check_trainable(cfg)
   model = model if model is not None else build_model(cfg, cfg.train.seed)
   graphdef, params, buffers = split_model(model)
   opt_state = make_optimizer(cfg).init(params)

@@ -26,7 +26,8 @@ from moejax.config import Config, save_config
 from moejax.data import train_batch
 from moejax.evaluate import evaluate
 from moejax.run_io import load_data
-from moejax.state import build_model, init_state, make_eval_step, make_train_step
+from moejax.state import (build_model, check_trainable, init_state, make_eval_step,
+                          make_train_step)
 from moejax.model.transformer import active_params, count_params
 
 
@@ -153,6 +154,7 @@ def _read_history(path: Path, upto: int) -> tuple[list, list]:
 def train(cfg: Config, *, quiet: bool = False) -> dict:
   """Trains (resuming from cfg.train.out_dir/checkpoints if present). Returns a summary."""
   t = cfg.train
+  check_trainable(cfg)   # before anything is built or written
   parallel.maybe_initialize_distributed()
   mesh = parallel.mesh_for_config(cfg)   # None on one device: the plain single-device path
   ep = parallel.expert_parallel(mesh, cfg.mesh.exchange)   # None without a mesh

@@ -33,10 +33,24 @@ def test_shipped_configs_validate(path):
     ("train.steps=abc", "expected an integer"),
     ("mesh.expert=3", "mesh.expert=3 does not divide moe.num_experts=8"),
     ("mesh.exchange=nccl", "mesh.exchange='nccl': must be one of auto, ragged, padded"),
+    ("inference.expert_bits=3", "inference.expert_bits=3: must be one of 16 (float), 8 or 4"),
+    ("inference.expert_bits=8 inference.expert_group_size=-1", "expert_group_size=-1: must be >= 0"),
+    ("inference.expert_bits=4", "expert_group_size=128 must divide model.d_model/2=64"),
+    ("inference.expert_bits=8 inference.expert_group_size=64 moe.expert_hidden=96",
+     "expert_group_size=64 must divide moe.expert_hidden=96"),
+    ("inference.expert_bits=4 inference.expert_group_size=0 moe.expert_hidden=191",
+     "moe.expert_hidden=191 must be even"),
 ])
 def test_bad_settings_name_the_problem(override, message):
   with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
     load_config("configs/tiny.yaml", override.split())
+
+
+def test_quantized_expert_settings_that_fit_validate():
+  cfg = load_config("configs/tiny.yaml", ["inference.expert_bits=4", "inference.expert_group_size=32"])
+  assert (cfg.inference.expert_bits, cfg.inference.expert_group_size) == (4, 32)
+  assert load_config("configs/tiny.yaml", ["inference.expert_group_size=7"])   # 16 bits: unused
+  load_config("configs/mixtral_8x7b.yaml", ["inference.expert_bits=4"])       # group 128
 
 
 def test_missing_file_is_a_clear_error(tmp_path):

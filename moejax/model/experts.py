@@ -12,6 +12,7 @@ dropped slots contribute nothing. The impls differ only in how they group tokens
            CPU where ragged_dot computes every expert for every row (measured ~9x slower).
   gmm    : the same sort, the Pallas grouped matmul from pallas_kernels (reads only the
            weights of experts that received tokens).
+`quantized_expert_ffn` is the same with int8 / int4 weights, gate and up fused.
 
 Shape letters beyond the project's legend (moejax/__init__.py): M rows = the T*K
 (token, slot) assignments sorted by expert; I / O in / out features of a grouped matmul.
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels import QuantizedExpertWeights, dequantize_expert_weights
 
 from moejax.model.routing import position_in_expert
 
@@ -61,20 +63,24 @@ def _sort_by_expert(expert_TK, keep_TK, num_experts):
   return order, token_of_sorted, group_sizes_E
 
 
-def _grouped_experts(matmul, x_TD, expert_TK, weight_TK, keep_TK, w_gate_EDF, w_up_EDF,
-                     w_down_EFD):
+def _grouped_experts(hidden, x_TD, expert_TK, weight_TK, keep_TK, w_down_EFD, matmul):
+  """hidden(x_MD, group_sizes_E) -> h_MF, the SwiGLU activations of the sorted rows."""
   T, K = expert_TK.shape
-  E = w_gate_EDF.shape[0]
+  E = w_down_EFD.shape[0]
   order, token_of_sorted, group_sizes_E = _sort_by_expert(expert_TK, keep_TK, E)
   x_MD = x_TD[token_of_sorted]                                   # M = T*K sorted rows
-  h_MF = _swiglu(matmul(x_MD, w_gate_EDF, group_sizes_E), matmul(x_MD, w_up_EDF, group_sizes_E))
-  y_MD = matmul(h_MF, w_down_EFD, group_sizes_E)
+  y_MD = matmul(hidden(x_MD, group_sizes_E), w_down_EFD, group_sizes_E)
   # Rows past sum(group_sizes) are dropped assignments: their weight is 0 below, and the
   # where() also discards whatever the matmul left there.
   w_M = weight_TK.reshape(-1)[order]
   valid_M = jnp.arange(T * K) < group_sizes_E.sum()
   y_MD = jnp.where(valid_M[:, None], y_MD * w_M[:, None].astype(y_MD.dtype), 0)
   return jnp.zeros_like(x_TD).at[token_of_sorted].add(y_MD.astype(x_TD.dtype))
+
+
+def _separate_gate_up(matmul, w_gate_EDF, w_up_EDF):
+  return lambda x_MD, sizes_E: _swiglu(matmul(x_MD, w_gate_EDF, sizes_E),
+                                       matmul(x_MD, w_up_EDF, sizes_E))
 
 
 def _ragged_matmul(x_MI, w_EIO, group_sizes_E):
@@ -106,19 +112,35 @@ def _gmm_matmul(x_MI, w_EIO, group_sizes_E):
   return pallas_kernels.gmm(x_MI, w_EIO, group_sizes_E)
 
 
+_MATMULS = {"ragged": _ragged_matmul, "blocked": _blocked_matmul, "gmm": _gmm_matmul}
+
+
 def expert_ffn(impl: str, x_TD, expert_TK, weight_TK, keep_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
                *, capacity: int):
   """Weighted sum over each token's kept experts of SwiGLU_e(x): [T, D]."""
   if impl == "dense":
     return dense_experts(x_TD, expert_TK, weight_TK, keep_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
                          capacity=capacity)
-  if impl == "ragged":
-    return _grouped_experts(_ragged_matmul, x_TD, expert_TK, weight_TK, keep_TK, w_gate_EDF,
-                            w_up_EDF, w_down_EFD)
-  if impl == "blocked":
-    return _grouped_experts(_blocked_matmul, x_TD, expert_TK, weight_TK, keep_TK, w_gate_EDF,
-                            w_up_EDF, w_down_EFD)
-  if impl == "gmm":
-    return _grouped_experts(_gmm_matmul, x_TD, expert_TK, weight_TK, keep_TK, w_gate_EDF,
-                            w_up_EDF, w_down_EFD)
+  if impl in _MATMULS:
+    matmul = _MATMULS[impl]
+    return _grouped_experts(_separate_gate_up(matmul, w_gate_EDF, w_up_EDF), x_TD, expert_TK,
+                            weight_TK, keep_TK, w_down_EFD, matmul)
   raise ValueError(f"unknown expert_impl {impl!r}; choose one of {', '.join(EXPERT_IMPLS)}")
+
+
+def quantized_expert_ffn(impl: str, x_TD, expert_TK, weight_TK, keep_TK,
+                         w_gate_up: QuantizedExpertWeights, w_down: QuantizedExpertWeights, *,
+                         capacity: int):
+  """expert_ffn with int8 / int4 weights: w_gate_up is gate and up fused, [E, D, 2F] (gate in
+  the first F columns), w_down [E, F, D]. `gmm` hands the codes to the kernel, which
+  dequantizes them as it reads them: one weight read per routed expert for gate and up
+  together. The other impls dequantize whole matrices first (in x's dtype)."""
+  if impl == "gmm":
+    def hidden(x_MD, sizes_E):
+      gate_MF, up_MF = jnp.split(_gmm_matmul(x_MD, w_gate_up, sizes_E), 2, axis=1)
+      return _swiglu(gate_MF, up_MF)
+    return _grouped_experts(hidden, x_TD, expert_TK, weight_TK, keep_TK, w_down, _gmm_matmul)
+  w_gate_up_ED2F = dequantize_expert_weights(w_gate_up, x_TD.dtype)
+  w_gate_EDF, w_up_EDF = jnp.split(w_gate_up_ED2F, 2, axis=2)
+  return expert_ffn(impl, x_TD, expert_TK, weight_TK, keep_TK, w_gate_EDF, w_up_EDF,
+                    dequantize_expert_weights(w_down, x_TD.dtype), capacity=capacity)

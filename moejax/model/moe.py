@@ -1,16 +1,27 @@
 """Mixture-of-Experts feed-forward layer: float32 router, routed SwiGLU experts, optional
-shared experts, load-balancing statistics (routing and statistics: routing.py)."""
+shared experts, load-balancing statistics (routing and statistics: routing.py).
+
+Routed expert weights, by inference.expert_bits:
+  16    w_gate_EDF, w_up_EDF, w_down_EFD (param_dtype; the training layout).
+  8 | 4 w_gate_up_{codes,scales}: gate and up fused to [E, D, 2F] (gate first), and
+        w_down_{codes,scales} [E, F, D], each the codes and scales of a
+        pallas_kernels.QuantizedExpertWeights (whose layout the names leave to it).
+"""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import chex
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax.config import MoEConfig
+from pallas_kernels import (QuantizedExpertWeights, dequantize_expert_weights,
+                            quantize_expert_weights)
+
+from moejax.config import InferenceConfig, MoEConfig
 from moejax.model import routing
-from moejax.model.experts import expert_ffn
+from moejax.model.experts import expert_ffn, quantized_expert_ffn
 from moejax.model.layers import SwiGLU, normal_init
 
 if TYPE_CHECKING:   # type only: parallel imports the model, not the reverse
@@ -21,20 +32,70 @@ class RouterBias(nnx.Variable):
   """Per-expert selection bias for aux-loss-free balancing; updated outside the optimizer."""
 
 
+class QuantizedWeight(nnx.Param):
+  """Codes or scales of int8 / int4 expert weights. A Param, so that nnx.state(model,
+  nnx.Param), checkpoints and restore_params carry them; never trained (`moejax train`
+  refuses inference.expert_bits != 16)."""
+
+
+FLOAT_EXPERT_NAMES = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
+QUANTIZED_EXPERT_NAMES = ("w_gate_up_codes", "w_gate_up_scales", "w_down_codes", "w_down_scales")
+
+
+def quantize_fused_experts(w_gate_up_ED2F, w_down_EFD, bits: int, group_size: int
+                           ) -> tuple[QuantizedExpertWeights, QuantizedExpertWeights]:
+  """One layer's float experts, gate|up fused, -> their QuantizedExpertWeights; group_size 0:
+  one scale per output channel."""
+  return (quantize_expert_weights(w_gate_up_ED2F, bits, group_size or None),
+          quantize_expert_weights(w_down_EFD, bits, group_size or None))
+
+
+def quantize_experts(w_gate_EDF, w_up_EDF, w_down_EFD, bits: int, group_size: int
+                     ) -> tuple[QuantizedExpertWeights, QuantizedExpertWeights]:
+  """quantize_fused_experts of the training layout (gate first in the fused columns)."""
+  return quantize_fused_experts(jnp.concatenate([w_gate_EDF, w_up_EDF], axis=2), w_down_EFD,
+                                bits, group_size)
+
+
+def dequantize_experts(w_gate_up: QuantizedExpertWeights, w_down: QuantizedExpertWeights,
+                       dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The inverse layout of quantize_experts: (w_gate_EDF, w_up_EDF, w_down_EFD) in dtype."""
+  w_gate_EDF, w_up_EDF = jnp.split(dequantize_expert_weights(w_gate_up, dtype), 2, axis=2)
+  return w_gate_EDF, w_up_EDF, dequantize_expert_weights(w_down, dtype)
+
+
 class MoE(nnx.Module):
   """ep: None routes the whole batch on one device; an ExpertParallel routes each device's
-  tokens and exchanges them over its mesh (parallel/dispatch.py). Static, not a parameter."""
+  tokens and exchanges them over its mesh (parallel/dispatch.py). Static, not a parameter.
+  inference.expert_bits 8 | 4: quantized experts (module doc), one device only."""
 
   def __init__(self, d_model: int, cfg: MoEConfig, *, rngs: nnx.Rngs, std: float, dtype,
-               param_dtype, ep: ExpertParallel | None = None):
+               param_dtype, ep: ExpertParallel | None = None,
+               inference: InferenceConfig = InferenceConfig()):
     E, F = cfg.num_experts, cfg.expert_hidden
     init = normal_init(std)
     self.cfg = cfg
     self.ep = ep
+    self.expert_bits = inference.expert_bits
+    self.expert_group_size = inference.expert_group_size
     self.router_DE = nnx.Param(init(rngs.params(), (d_model, E), jnp.float32))
-    self.w_gate_EDF = nnx.Param(init(rngs.params(), (E, d_model, F), param_dtype))
-    self.w_up_EDF = nnx.Param(init(rngs.params(), (E, d_model, F), param_dtype))
-    self.w_down_EFD = nnx.Param(init(rngs.params(), (E, F, d_model), param_dtype))
+    if self.expert_bits == 16:
+      self.w_gate_EDF = nnx.Param(init(rngs.params(), (E, d_model, F), param_dtype))
+      self.w_up_EDF = nnx.Param(init(rngs.params(), (E, d_model, F), param_dtype))
+      self.w_down_EFD = nnx.Param(init(rngs.params(), (E, F, d_model), param_dtype))
+    else:
+      if ep is not None:
+        raise ValueError(f"inference.expert_bits={self.expert_bits}: quantized experts run on "
+                         "one device only, not expert-parallel (use mesh.expert=1 or 16 bits)")
+      # Drawn and quantized here, this layer only: a quantized model is never whole in float.
+      gate_up, down = quantize_fused_experts(
+          init(rngs.params(), (E, d_model, 2 * F), param_dtype),
+          init(rngs.params(), (E, F, d_model), param_dtype), self.expert_bits,
+          self.expert_group_size)
+      self.w_gate_up_codes, self.w_gate_up_scales = (QuantizedWeight(gate_up.codes),
+                                                     QuantizedWeight(gate_up.scales))
+      self.w_down_codes, self.w_down_scales = (QuantizedWeight(down.codes),
+                                               QuantizedWeight(down.scales))
     self.bias_E = RouterBias(jnp.zeros((E,), jnp.float32)) if cfg.bias_balancing else None
     shared_hidden = (cfg.shared_expert_hidden or F) * cfg.num_shared_experts
     self.shared = SwiGLU(d_model, shared_hidden, rngs=rngs, std=std, dtype=dtype,
@@ -47,18 +108,28 @@ class MoE(nnx.Module):
     chex.assert_rank(x_BTD, 3)
     B, T, D = x_BTD.shape
     x_TD = x_BTD.reshape(B * T, D)
-    c = lambda p: p[...].astype(self.dtype)
-    weights = c(self.w_gate_EDF), c(self.w_up_EDF), c(self.w_down_EFD)
     bias_E = None if self.bias_E is None else self.bias_E[...]
     if self.ep is not None:
+      c = lambda p: p[...].astype(self.dtype)
+      weights = c(self.w_gate_EDF), c(self.w_up_EDF), c(self.w_down_EFD)
       y_TD, stats = self.ep(self.cfg, x_TD, self.router_DE[...], bias_E, *weights)
     else:
       r = routing.route_tokens(self.cfg, x_TD, self.router_DE[...], bias_E)
       # Dropless: a token picks an expert at most once, so T slots per expert always suffice.
       cap = routing.expert_capacity(self.cfg, B * T) or B * T
-      y_TD = expert_ffn(self.cfg.expert_impl, x_TD, r.expert_TK, r.weight_TK, r.keep_TK,
-                        *weights, capacity=cap)
+      y_TD = self._experts(x_TD, r, cap)
       stats = routing.load_stats(routing.stat_sums(r), B * T)
     if self.shared is not None:
       y_TD = y_TD + self.shared(x_TD)
     return y_TD.reshape(B, T, D).astype(x_BTD.dtype), stats
+
+  def _experts(self, x_TD, r: routing.Routing, capacity: int):
+    args = (self.cfg.expert_impl, x_TD, r.expert_TK, r.weight_TK, r.keep_TK)
+    if self.expert_bits == 16:
+      c = lambda p: p[...].astype(self.dtype)
+      return expert_ffn(*args, c(self.w_gate_EDF), c(self.w_up_EDF), c(self.w_down_EFD),
+                        capacity=capacity)
+    q = lambda codes, scales: QuantizedExpertWeights(
+        codes[...], scales[...], self.expert_bits, self.expert_group_size or None)
+    return quantized_expert_ffn(*args, q(self.w_gate_up_codes, self.w_gate_up_scales),
+                                q(self.w_down_codes, self.w_down_scales), capacity=capacity)

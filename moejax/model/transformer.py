@@ -31,7 +31,7 @@ class Block(nnx.Module):
     self.is_moe = is_moe_layer(cfg, layer)
     if self.is_moe:
       self.ffn = MoE(m.d_model, cfg.moe, rngs=rngs, std=m.init_std, dtype=dtype,
-                     param_dtype=pdtype, ep=ep)
+                     param_dtype=pdtype, ep=ep, inference=cfg.inference)
     else:
       self.ffn = SwiGLU(m.d_model, m.ffn_hidden, rngs=rngs, std=m.init_std, dtype=dtype,
                         param_dtype=pdtype)
