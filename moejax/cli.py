@@ -1,4 +1,5 @@
-"""Command line: moejax train | eval | generate | calibrate | eval-ppl | quantize  (see `moejax -h`)."""
+"""Command line: moejax train | eval | generate | calibrate | eval-ppl | quantize |
+bench-decode  (see `moejax -h`)."""
 from __future__ import annotations
 
 import argparse
@@ -94,6 +95,27 @@ def _cmd_quantize(args) -> int:
   return 0
 
 
+def _cmd_bench_decode(args) -> int:
+  from moejax.inference import bench_decode
+  result = bench_decode.run_cli(args.config_or_run, args.overrides, batches=args.batch,
+                                contexts=args.context, expert_bits=args.expert_bits,
+                                kv_bits=args.kv_bits, layers=args.layers,
+                                peer_layers=args.peer_layers, steps=args.steps,
+                                prompt=args.prompt, smoke=args.smoke, out=args.out)
+  return 0 if all("error" not in r for r in result["rows"]) else 1
+
+
+def _int_list(text: str) -> list[int]:
+  """argparse type: comma-separated positive integers, e.g. 1,8,64."""
+  try:
+    values = [int(v) for v in text.split(",") if v]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+  if not values or min(values) < 1:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
+  return values
+
+
 def _int_at_least(low: int):
   """argparse type: an integer >= low, else a one-line error naming the range."""
   def parse(text: str) -> int:
@@ -161,6 +183,26 @@ def build_parser() -> argparse.ArgumentParser:
   z.add_argument("--group-size", type=int, default=128,
                  help="rows of the contraction dim per scale; 0: one scale per output channel")
   z.set_defaults(fn=_cmd_quantize)
+
+  d = sub.add_parser("bench-decode", help="decode speed (ms/token, TB/s) of a config's shape "
+                                          "or a run, against the plain XLA path")
+  d.add_argument("config_or_run", help="a YAML config (random weights) or a run directory")
+  d.add_argument("overrides", nargs="*", help="e.g. kv_cache.outlier_fraction=0.02")
+  d.add_argument("--batch", type=_int_list, default=[1])
+  d.add_argument("--context", type=_int_list, default=[4096])
+  d.add_argument("--expert-bits", type=_int_list, default=None,
+                 help="16,8,4 (default: the config's inference.expert_bits)")
+  d.add_argument("--kv-bits", type=_int_list, default=[16, 2])
+  d.add_argument("--layers", type=_int_at_least(1), default=None,
+                 help="override model.num_layers (default: the config's)")
+  d.add_argument("--peer-layers", type=_int_at_least(0), default=None,
+                 help="layers of the XLA peer (bf16 weights may not fit whole); 0: no peer")
+  d.add_argument("--steps", type=_int_list, default=[8, 40],
+                 help="two decode-loop lengths; ms/token is the slope between them")
+  d.add_argument("--prompt", type=_int_at_least(1), default=128, help="prompt tokens for TTFT")
+  d.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+  d.add_argument("--out", default="bench_decode.json", help="JSON results")
+  d.set_defaults(fn=_cmd_bench_decode)
   return p
 
 

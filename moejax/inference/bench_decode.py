@@ -17,7 +17,9 @@ does not fit).
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -25,7 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.config import Config, is_moe_layer, with_overrides
+from moejax.atomic import write_atomic
+from moejax.checkpoint import load_run_config
+from moejax.config import Config, is_moe_layer, load_config, with_overrides
+from moejax.model.moe import FLOAT_EXPERT_NAMES, QUANTIZED_EXPERT_NAMES
 from moejax.model.kv_cache import DenseKVCache, QuantizedKVCache, kv_quant_config
 from moejax.inference.timing import copy_bandwidth, median_seconds
 from moejax.state import build_model, split_model
@@ -86,15 +91,19 @@ def kv_bytes_read(cfg: Config, batch: int, context: int) -> int:
   return int(elems * bits / 8) * m.num_layers
 
 
+EXPERT_NAMES = frozenset(FLOAT_EXPERT_NAMES + QUANTIZED_EXPERT_NAMES)  # routed experts
+
+
 def weight_bytes(params) -> tuple[int, int, int]:
   """(bytes of one expert summed over the MoE layers, other weights read per step,
   vocab rows: the embedding, read B rows per step) from the parameter arrays."""
   flat = nnx.to_flat_state(params)
   per_expert = other = embed = 0
   for path, var in flat:
-    name, nbytes = str(path[-1]), var.value.nbytes
-    if name.startswith(("w_gate", "w_up", "w_down")) and "shared" not in map(str, path):
-      per_expert += nbytes // var.value.shape[0]
+    value = var.get_value()
+    name, nbytes = str(path[-1]), value.nbytes
+    if name in EXPERT_NAMES:
+      per_expert += nbytes // value.shape[0]
     elif name == "embed_VD":
       embed += nbytes
     else:
@@ -114,7 +123,8 @@ def _decode_program(graphdef):
       feed_B, caches, touched = carry
       logits, stats, caches = model(feed_B[:, None], jnp.full((B, 1), pos + i, jnp.int32),
                                     caches)
-      used = jnp.stack([(s["load_E"] > 0).sum() for s in stats]) if stats else jnp.zeros(0)
+      used = (jnp.stack([(s["load_E"] > 0).sum() for s in stats]).astype(jnp.int32) if stats
+              else jnp.zeros((0,), jnp.int32))
       return jnp.argmax(logits[:, 0], -1).astype(jnp.int32), caches, touched + used
 
     init = jnp.zeros((len(model.moe_layers),), jnp.int32)
@@ -190,6 +200,9 @@ def bench_case(base: Config, case: Case, *, steps: tuple[int, int], prompt: int,
               frac_of_copy=total / step_s / copy_Bps, floor_ms=total / copy_Bps * 1e3)
 
 
+PEER_LABEL = "XLA peer (ragged_dot, bf16 KV)"
+
+
 def cases(cfg: Config, *, batches, contexts, expert_bits, kv_bits, layers: int | None,
           peer_layers: int | None) -> list[Case]:
   L = layers or cfg.model.num_layers
@@ -206,7 +219,7 @@ def cases(cfg: Config, *, batches, contexts, expert_bits, kv_bits, layers: int |
             for kb in kv_bits:
               out.append(Case(eb, kb, b, s, "gmm", pl,
                               f"moejax int{eb}" if eb < 16 else "moejax"))
-        out.append(Case(16, 16, b, s, "ragged", pl, "XLA peer (ragged_dot, bf16 KV)"))
+        out.append(Case(16, 16, b, s, "ragged", pl, PEER_LABEL))
   return out
 
 
@@ -242,3 +255,45 @@ def format_row(r: dict) -> str:
   return head + (f"{r['ms_per_token']:8.3f} {r['tokens_per_s']:8.0f} {r['ttft_ms']:8.1f} "
                  f"{r['compile_s']:9.1f} {r['experts_touched_per_layer']:5.2f} {mb:8.0f} "
                  f"{r['TBps']:5.2f} {100 * r['frac_of_copy']:5.0f}")
+
+
+SMOKE_OVERRIDES = ("model.d_model=64", "model.num_heads=2", "model.num_kv_heads=1",
+                   "model.head_dim=64", "model.vocab_size=256", "moe.num_experts=4",
+                   "moe.expert_hidden=64", "moe.expert_impl=gmm", "inference.expert_group_size=16",
+                   "kv_cache.group_size=16", "kv_cache.residual_window=16")
+
+
+def run_cli(config_or_run: str, overrides, *, batches, contexts, expert_bits, kv_bits, layers,
+            peer_layers, steps, prompt, smoke: bool, out: str) -> dict:
+  """`moejax bench-decode`: the table on stdout, the rows as JSON in `out`."""
+  path = Path(config_or_run)
+  if path.is_dir():
+    if not (path / "checkpoints").is_dir():
+      raise FileNotFoundError(f"{path} is neither a YAML config nor a run directory")
+    cfg = load_run_config(path)
+  else:
+    cfg = load_config(path)
+  if len(steps) != 2 or steps[0] >= steps[1]:
+    raise ValueError(f"--steps {steps}: give two increasing step counts, e.g. 8,40")
+  if smoke:
+    cfg = with_overrides(cfg, list(SMOKE_OVERRIDES))
+    batches, contexts = batches[:2], [min(c, 96) for c in contexts[:1]]
+    layers = min(layers or 2, 3)
+    steps, prompt = (2, 4), min(prompt, 8)
+  cfg = with_overrides(cfg, list(overrides))
+  bits = expert_bits or [cfg.inference.expert_bits]
+  for b in bits:
+    if b not in (16, 8, 4):
+      raise ValueError(f"--expert-bits {b}: choose 16, 8 or 4")
+  for b in kv_bits:
+    if b not in (16, 8, 4, 3, 2):
+      raise ValueError(f"--kv-bits {b}: choose 16 (bf16) or 2, 3, 4, 8")
+  print(HEADER)
+  result = run(cfg, batches=batches, contexts=contexts, expert_bits=bits, kv_bits=kv_bits,
+               layers=layers, peer_layers=peer_layers, steps=tuple(steps), prompt=prompt,
+               reps=2 if smoke else 10, copy_bytes=(1 << 20) if smoke else (2 << 30))
+  result["config"] = str(config_or_run)
+  result["overrides"] = list(overrides)
+  write_atomic(Path(out), json.dumps(result, indent=1))
+  print(f"\n{out}")
+  return result
