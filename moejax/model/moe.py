@@ -50,6 +50,11 @@ def quantize_fused_experts(w_gate_up_ED2F, w_down_EFD, bits: int, group_size: in
           quantize_expert_weights(w_down_EFD, bits, group_size or None))
 
 
+# One compiled program per layer shape (eager, each of its ops would be a dispatch and a
+# float32 temporary of the layer's size).
+_quantize_layer = jax.jit(quantize_fused_experts, static_argnums=(2, 3))
+
+
 def quantize_experts(w_gate_EDF, w_up_EDF, w_down_EFD, bits: int, group_size: int
                      ) -> tuple[QuantizedExpertWeights, QuantizedExpertWeights]:
   """quantize_fused_experts of the training layout (gate first in the fused columns)."""
@@ -88,7 +93,7 @@ class MoE(nnx.Module):
         raise ValueError(f"inference.expert_bits={self.expert_bits}: quantized experts run on "
                          "one device only, not expert-parallel (use mesh.expert=1 or 16 bits)")
       # Drawn and quantized here, this layer only: a quantized model is never whole in float.
-      gate_up, down = quantize_fused_experts(
+      gate_up, down = _quantize_layer(
           init(rngs.params(), (E, d_model, 2 * F), param_dtype),
           init(rngs.params(), (E, F, d_model), param_dtype), self.expert_bits,
           self.expert_group_size)

@@ -86,13 +86,13 @@ def test_quantized_init_draws_and_quantizes_one_layer_at_a_time(monkeypatch):
   gets one layer's [E, D, 2F] or [E, F, D], once per MoE layer, and the state holds codes."""
   cfg = quantized_cfg(4, 32, "model.num_layers=3", "moe.first_dense_layers=1")
   shapes = []
-  real = moe_mod.quantize_expert_weights
+  real = moe_mod._quantize_layer
 
-  def spy(w, bits, group_size):
-    shapes.append(tuple(w.shape))
-    return real(w, bits, group_size)
+  def spy(w_gate_up, w_down, bits, group_size):
+    shapes.extend([tuple(w_gate_up.shape), tuple(w_down.shape)])
+    return real(w_gate_up, w_down, bits, group_size)
 
-  monkeypatch.setattr(moe_mod, "quantize_expert_weights", spy)
+  monkeypatch.setattr(moe_mod, "_quantize_layer", spy)
   _, params, _ = split_model(build_model(cfg, 0))
   E, D, F = 4, 64, 64
   assert shapes == [(E, D, 2 * F), (E, F, D)] * 2     # two MoE layers, each on its own
