@@ -224,7 +224,9 @@ def cases(cfg: Config, *, batches, contexts, expert_bits, kv_bits, layers: int |
 
 
 def run(cfg: Config, *, batches, contexts, expert_bits, kv_bits, layers=None, peer_layers=None,
-        steps=(8, 40), prompt=128, reps=10, copy_bytes=2 << 30, print_row=print) -> dict:
+        steps=(8, 40), prompt=128, reps=10, copy_bytes=2 << 30, print_row=print,
+        on_row=lambda result: None) -> dict:
+  """Every case in one process; on_row(result) after each row (e.g. save what is done)."""
   dev = jax.devices()[0]
   copy_Bps = copy_bandwidth(copy_bytes, reps=reps)
   result = dict(date=time.strftime("%Y-%m-%d"), device=getattr(dev, "device_kind", str(dev)),
@@ -238,6 +240,7 @@ def run(cfg: Config, *, batches, contexts, expert_bits, kv_bits, layers=None, pe
       row = dict(dataclasses.asdict(case), error=f"{type(e).__name__}: {str(e)[:200]}")
     result["rows"].append(row)
     print_row(format_row(row))
+    on_row(result)
   return result
 
 
@@ -289,11 +292,11 @@ def run_cli(config_or_run: str, overrides, *, batches, contexts, expert_bits, kv
     if b not in (16, 8, 4, 3, 2):
       raise ValueError(f"--kv-bits {b}: choose 16 (bf16) or 2, 3, 4, 8")
   print(HEADER)
+  meta = dict(config=str(config_or_run), overrides=list(overrides))
+  save = lambda result: write_atomic(Path(out), json.dumps({**result, **meta}, indent=1))
   result = run(cfg, batches=batches, contexts=contexts, expert_bits=bits, kv_bits=kv_bits,
                layers=layers, peer_layers=peer_layers, steps=tuple(steps), prompt=prompt,
-               reps=2 if smoke else 10, copy_bytes=(1 << 20) if smoke else (2 << 30))
-  result["config"] = str(config_or_run)
-  result["overrides"] = list(overrides)
-  write_atomic(Path(out), json.dumps(result, indent=1))
+               reps=2 if smoke else 10, copy_bytes=(1 << 20) if smoke else (2 << 30),
+               on_row=save)
   print(f"\n{out}")
   return result

@@ -96,7 +96,8 @@ def _pow2_at_least(x: int) -> int:
 def default_tiling(m: int, i: int, o: int, e: int, *, op: str = "gmm") -> TritonConfig:
   """A small heuristic: decode (few rows) streams weights, training fills tensor cores.
 
-  gmm: out [m, o], reduction over i. tgmm: out [e, i, o], reduction over m rows.
+  gmm: out [m, o], reduction over i ("gmm_quantized": over int8 / int4 codes). tgmm: out
+  [e, i, o], reduction over m rows.
   Every field is set. Each choice is a configuration measured on the H200
   (docs/benchmarks.md).
   """
@@ -104,6 +105,13 @@ def default_tiling(m: int, i: int, o: int, e: int, *, op: str = "gmm") -> Triton
   if op == "tgmm":
     # H200: 575 TFLOP/s on the Mixtral shape (64x128x128/w4: 545); equal on OLMoE.
     return full(bm=64, bk=128, bn=256, num_warps=8, num_stages=3)
+  if op == "gmm_quantized" and m <= 64:
+    # Decode on int8 / int4 codes (bk counts packed rows). H100, Mixtral w1, 2 / 4 / 32 rows:
+    # int4 with 128-row scale groups 38 / 51 / 41 % of the copy rate (the bf16 decode
+    # tiling: 26 / 52 / 38 %), int8 (same groups) 48 / 65 / 55 %; no tiling of the sweep
+    # reached 70 % (docs/benchmarks.md).
+    return TritonConfig(bm=max(16, _pow2_at_least(m)), bk=128, bn=128, split_k=2, group_m=8,
+                        num_warps=4, num_stages=4, expert_major=True)
   if m <= 64:
     # Decode: one row tile (each routed expert read once), expert-major order,
     # I split so that each routed expert is streamed by many programs.

@@ -39,7 +39,7 @@ def forward_config(config: TritonConfig, m: int, i: int, o: int, e: int, *, inte
                    op: str = "gmm") -> TritonConfig:
   """The config's unset fields from the heuristic; quantized with scale groups: bk divides
   the group, so that each reduction step uses one row of scales."""
-  t = config.resolve(m, i, o, e, op=op)
+  t = config.resolve(m, i, o, e, op="gmm_quantized" if quantized and op == "gmm" else op)
   if not quantized or quant_group is None:
     return t
   bk = min(t.bk, quant_group & -quant_group)
