@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ from pallas_kernels import (  # noqa: E402
     GmmTiling, dequantize_expert_weights, default_tiling, quantize_expert_weights)
 from pallas_kernels.gmm import reference as ref  # noqa: E402
 from pallas_kernels.gmm import triton as gmm_triton  # noqa: E402
+from moejax.inference.timing import median_seconds  # noqa: E402
 
 
 def tiling(bm, bk, bn, **kw):
@@ -67,21 +67,7 @@ def block(x):
 
 def time_fn(f, args, *, reps: int, min_rep_s: float = 0.02):
   """Median seconds per call: back-to-back calls, one sync per rep (GPU stays busy)."""
-  block(f(*args))
-  for _ in range(2):
-    block(f(*args))
-  t0 = time.perf_counter()
-  block(f(*args))
-  one = max(time.perf_counter() - t0, 1e-6)
-  iters = max(1, min(200, int(min_rep_s / one)))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = f(*args)
-    block(out)
-    ts.append((time.perf_counter() - t0) / iters)
-  return statistics.median(ts)
+  return median_seconds(f, args, reps=reps, min_rep_s=min_rep_s)
 
 
 def copy_ceiling(nbytes: int, reps: int):
