@@ -194,6 +194,9 @@ def _gmm_kernel(group_ref, mtile_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, *rest,
     return pltriton.load(blk, mask=mask, other=0)
 
   def load_scale(q_idx):
+    # A reduction step wholly past I (a split's padding) still scales its zero product:
+    # clamp, so that it never reads past the scales (a NaN there would survive 0 * NaN).
+    q_idx = jnp.minimum(q_idx, scale_ref.shape[1] - 1)
     return pltriton.load(scale_ref.at[g, q_idx, pl.ds(o0, bn)],
                          mask=col_ok, other=0).astype(jnp.float32)
 

@@ -51,6 +51,17 @@ def test_quantized_matches_dequantize_then_matmul(impl, bits, group_size):
   assert bool(jnp.all(out[int(gs.sum()):] == 0))
 
 
+@pytest.mark.parametrize("bits", (8, 4))
+def test_decode_default_tiling_with_split_padding(bits):
+  """Decode shapes take the quantized default tiling (split over I); when I is too short
+  for every split, the padding steps must neither read past the scales nor add NaNs."""
+  m, i, o, e = 4, 64, 40, 5
+  x, w, gs = setup(40 + bits, m, i, o, e)
+  q = quantize(w, bits=bits, group_size=32)
+  out = pk.gmm(x, q, gs, implementation="triton", interpret=True)
+  assert rel_err(out, ref_gmm(x, ref_weights(q), gs)) < 1e-5
+
+
 @pytest.mark.parametrize("impl", ["triton", "xla"])
 def test_quantized_gradient_wrt_lhs_only(impl):
   m, i, o, e = 30, 32, 24, 4
