@@ -1,4 +1,4 @@
-"""Command line: moejax train | eval | generate | calibrate | eval-ppl | quantize |
+"""Command line: moejax train | eval | generate | calibrate | eval-ppl | quantize | import |
 bench-decode  (see `moejax -h`)."""
 from __future__ import annotations
 
@@ -95,6 +95,14 @@ def _cmd_quantize(args) -> int:
   return 0
 
 
+def _cmd_import(args) -> int:
+  from moejax.convert.hf import import_model
+  summary = import_model(args.src, args.out_dir, dtype=args.dtype, expert_bits=args.expert_bits,
+                         group_size=args.group_size)
+  print(json.dumps(summary, indent=2))
+  return 0
+
+
 def _cmd_bench_decode(args) -> int:
   from moejax.inference import bench_decode
   result = bench_decode.run_cli(args.config_or_run, args.overrides, batches=args.batch,
@@ -183,6 +191,19 @@ def build_parser() -> argparse.ArgumentParser:
   z.add_argument("--group-size", type=int, default=128,
                  help="rows of the contraction dim per scale; 0: one scale per output channel")
   z.set_defaults(fn=_cmd_quantize)
+
+  i = sub.add_parser("import", help="a Hugging Face model folder or .gguf file as a run "
+                                    "directory (for eval, generate, ...)")
+  i.add_argument("src", help="an HF folder (config.json, *.safetensors, tokenizer.json) or "
+                             "a .gguf file")
+  i.add_argument("out_dir", help="the run to write: new or empty")
+  i.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                 help="parameter and compute dtype of the run")
+  i.add_argument("--expert-bits", type=int, choices=(16, 8, 4), default=16,
+                 help="8 | 4: quantize the routed experts as `moejax quantize` does")
+  i.add_argument("--group-size", type=int, default=128,
+                 help="with --expert-bits 8|4: rows per scale; 0: one per output channel")
+  i.set_defaults(fn=_cmd_import)
 
   d = sub.add_parser("bench-decode", help="decode speed (ms/token, TB/s) of a config's shape "
                                           "or a run, against the plain XLA path")

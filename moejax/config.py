@@ -39,6 +39,15 @@ class ModelConfig:
   rope_theta: float = 10000.0
   norm_eps: float = 1e-6
   tie_embeddings: bool = True
+  qkv_bias: bool = False         # q, k, v projections have biases (Qwen2)
+  qk_norm: str = "none"          # none | head: RMSNorm of each head's A channels (Qwen3) |
+                                 # full: RMSNorm over the whole q / k projection (OLMoE)
+  clip_qkv: float = 0.0          # > 0: clamp q, k, v to [-clip, clip] after projection (OLMoE)
+  rope_scaling: str = "none"     # none | linear | llama3 (Llama 3.1 frequency bands)
+  rope_factor: float = 1.0       # linear / llama3: the context extension factor
+  rope_low_freq_factor: float = 1.0    # llama3: wavelengths above orig_len / low are scaled
+  rope_high_freq_factor: float = 4.0   # llama3: wavelengths below orig_len / high are kept
+  rope_original_max_len: int = 8192    # llama3: the pre-extension context length
   dtype: str = "float32"         # compute dtype: float32 | bfloat16
   param_dtype: str = "float32"   # parameter storage dtype
   init_std: float = 0.02
@@ -51,8 +60,11 @@ class MoEConfig:
   expert_hidden: int = 256
   num_shared_experts: int = 0
   shared_expert_hidden: int = 0  # 0: same as expert_hidden
+  shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(x @ w_D)
+                                    # (Qwen2-MoE)
   first_dense_layers: int = 0    # the first N layers use a dense FFN
   moe_every: int = 1             # after those, every N-th layer is MoE (others dense)
+  dense_layers: tuple[int, ...] = ()  # these layers use a dense FFN too (Qwen mlp_only_layers)
   routing: str = "softmax_topk"  # softmax_topk (Mixtral) | topk_softmax | top_p
   renormalize: bool = True       # renormalize the selected weights to sum to 1
   top_p: float = 0.9             # top_p routing: take experts until cumulative prob >= p ...
@@ -71,7 +83,9 @@ class DataConfig:
   files: tuple[str, ...] = ()    # globs of training text files (corpus: files)
   val_files: tuple[str, ...] = ()  # globs of validation files; empty: split off val_fraction
   val_fraction: float = 0.1
-  tokenizer: str = "byte"        # byte | bpe
+  tokenizer: str = "byte"        # byte | bpe | hf (a Hugging Face tokenizer.json)
+  tokenizer_file: str = ""       # hf: the tokenizer.json to copy into a new run directory
+  eos_id: int = -1               # hf: end-of-text id, a stop token for generation; -1: none
   bpe_vocab_size: int = 2048
   seq_len: int = 128
   batch_size: int = 16
@@ -296,7 +310,9 @@ _CHOICES = {
     "moe.routing": ("softmax_topk", "topk_softmax", "top_p"),
     "moe.expert_impl": ("dense", "ragged", "blocked", "gmm"),
     "data.corpus": ("shakespeare", "files"),
-    "data.tokenizer": ("byte", "bpe"),
+    "data.tokenizer": ("byte", "bpe", "hf"),
+    "model.qk_norm": ("none", "head", "full"),
+    "model.rope_scaling": ("none", "linear", "llama3"),
     "kv_cache.key_axis": ("channel", "token"),
     "kv_cache.value_axis": ("channel", "token"),
     "kv_cache.meta_dtype": ("float8_e4m3fn", "bfloat16", "float16"),
@@ -344,11 +360,23 @@ def validate(cfg: Config) -> None:
                       ("moe.first_dense_layers", e.first_dense_layers),
                       ("moe.capacity_factor", e.capacity_factor),
                       ("moe.aux_loss_coef", e.aux_loss_coef), ("moe.z_loss_coef", e.z_loss_coef),
+                      ("model.clip_qkv", m.clip_qkv),
                       ("train.warmup_steps", t.warmup_steps), ("train.weight_decay", t.weight_decay),
                       ("train.grad_clip", t.grad_clip), ("kv_cache.residual_window", kv.residual_window),
                       ("kv_cache.sink_tokens", kv.sink_tokens)):
     if value < 0:
       raise ConfigError(f"{name}={value}: must be >= 0")
+  if m.rope_scaling != "none" and m.rope_factor < 1.0:
+    raise ConfigError(f"model.rope_factor={m.rope_factor}: must be >= 1 with rope_scaling "
+                      f"{m.rope_scaling}")
+  if m.rope_scaling == "llama3" and not (0 < m.rope_low_freq_factor < m.rope_high_freq_factor):
+    raise ConfigError("model.rope_low_freq_factor / rope_high_freq_factor: need "
+                      "0 < low < high for rope_scaling llama3")
+  for i in e.dense_layers:
+    if not 0 <= i < m.num_layers:
+      raise ConfigError(f"moe.dense_layers: layer {i} is not in [0, {m.num_layers})")
+  if e.shared_expert_gate and not e.num_shared_experts:
+    raise ConfigError("moe.shared_expert_gate=true needs moe.num_shared_experts >= 1")
   if d.seq_len > m.max_seq_len:
     raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
   if d.tokenizer == "byte" and m.vocab_size < 256:
@@ -412,7 +440,9 @@ def _validate_inference(cfg: Config) -> None:
 
 
 def is_moe_layer(cfg: Config, layer: int) -> bool:
-  """Layer i is MoE when past first_dense_layers and on the moe_every stride."""
+  """Layer i is MoE when past first_dense_layers, on the moe_every stride and not one of
+  moe.dense_layers."""
   e = cfg.moe
-  return layer >= e.first_dense_layers and (layer - e.first_dense_layers) % e.moe_every == 0
+  return (layer >= e.first_dense_layers and (layer - e.first_dense_layers) % e.moe_every == 0
+          and layer not in e.dense_layers)
 

@@ -26,12 +26,13 @@ from moejax.data.corpus import SHAKESPEARE_VAL_PLAYS
 from moejax.data.tokenizers import bits_per_byte
 from moejax.data.tokenizers import build_tokenizer
 from moejax.data.tokenizers import ByteTokenizer
+from moejax.data.tokenizers import HFTokenizer
 from moejax.data.tokenizers import SentencePieceTokenizer
 from moejax.data.tokenizers import Tokenizer
 
 __all__ = [
     "Batch", "bits_per_byte", "build_tokenizer", "ByteTokenizer", "Corpus",
-    "default_cache_root", "DOC_SEPARATOR", "ensure_shakespeare",
+    "default_cache_root", "DOC_SEPARATOR", "ensure_shakespeare", "HFTokenizer",
     "load_corpus", "load_shakespeare", "num_val_batches",
     "SentencePieceTokenizer", "SHAKESPEARE_VAL_PLAYS", "spread_val_batches", "TokenDataset",
     "Tokenizer", "train_batch", "train_batches", "val_batches",

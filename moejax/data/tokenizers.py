@@ -1,8 +1,10 @@
-"""Tokenizers with one interface: bytes (vocab 256) and a SentencePiece BPE.
+"""Tokenizers with one interface: bytes (vocab 256), a SentencePiece BPE, and a
+Hugging Face tokenizer.json (`hf`, what `moejax import` brings along).
 
-Both round-trip any text exactly (decode(encode(s)) == s), and both give the
-number of UTF-8 bytes each token decodes to (`token_bytes`), so that
-evaluation can report bits per byte on exactly the tokens it scored:
+The first two round-trip any text exactly (decode(encode(s)) == s); every kind
+gives the number of UTF-8 bytes each token decodes to (`token_bytes`; for `hf`
+exact for byte-level and byte-fallback vocabularies), so that evaluation can
+report bits per byte on exactly the tokens it scored:
 
   bits_per_byte = total_nll_nats / ln(2) / tokenizer.byte_count(targets)
 """
@@ -167,6 +169,75 @@ class SentencePieceTokenizer(_ByteCounting):
 
   def decode(self, ids) -> str:
     return self._sp.decode(_as_ids(ids, self.vocab_size).tolist())
+
+
+def _byte_level_decoder() -> dict[str, int]:
+  """GPT-2's byte-level alphabet: printable character -> the byte it stands for."""
+  printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+               + list(range(ord("®"), ord("ÿ") + 1)))
+  chars, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      chars[chr(b)] = b
+    else:
+      chars[chr(256 + extra)] = b
+      extra += 1
+  return chars
+
+
+def _piece_bytes(piece: str, byte_level: dict[str, int] | None, decoded: str) -> int:
+  """UTF-8 bytes of one vocabulary piece: byte-level pieces map character by character to
+  bytes, byte-fallback pieces (<0xNN>) are one byte; others count what they decode to."""
+  if byte_level is not None and all(ch in byte_level for ch in piece):
+    return len(piece)
+  if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+    return 1
+  if "\u2581" in piece:   # SentencePiece's word marker: a space (decode drops a leading one)
+    return len(piece.replace("\u2581", " ").encode("utf-8"))
+  return len(decoded.encode("utf-8"))
+
+
+class HFTokenizer(_ByteCounting):
+  """A Hugging Face `tokenizers` tokenizer.json (kept as is in the run directory).
+
+  encode adds no special tokens (a corpus encodes as the concatenation of its parts);
+  special tokens (added tokens marked special) count 0 bytes. eos_id: the end-of-text id
+  (data.eos_id, from the imported config.json), -1 when there is none.
+  """
+
+  def __init__(self, tokenizer_json: str, eos_id: int = -1, name: str = "hf"):
+    from tokenizers import Tokenizer as _HFTokenizer  # imported here: other kinds skip it
+    self._tok = _HFTokenizer.from_str(tokenizer_json)
+    self.tokenizer_json = tokenizer_json
+    self.name = name
+    self.eos_id = int(eos_id)
+    self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+    byte_level = _byte_level_decoder() if '"ByteLevel"' in tokenizer_json else None
+    special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+    sizes = np.zeros(self.vocab_size, np.int64)
+    for i in range(self.vocab_size):
+      piece = self._tok.id_to_token(i)
+      if piece is None or piece in special:
+        continue
+      sizes[i] = _piece_bytes(piece, byte_level, self._tok.decode([i], skip_special_tokens=False))
+    self.token_bytes = sizes
+
+  @classmethod
+  def from_file(cls, path: str | os.PathLike, eos_id: int = -1) -> "HFTokenizer":
+    path = Path(path)
+    if not path.is_file():
+      raise FileNotFoundError(f"Hugging Face tokenizer.json not found: {path}")
+    return cls(path.read_text(encoding="utf-8"), eos_id)
+
+  def save(self, path: str | os.PathLike) -> None:
+    write_atomic(Path(path), self.tokenizer_json)
+
+  def encode(self, text: str) -> np.ndarray:
+    """str -> [num_tokens] int32."""
+    return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
+
+  def decode(self, ids) -> str:
+    return self._tok.decode(_as_ids(ids, self.vocab_size).tolist(), skip_special_tokens=False)
 
 
 def _train_bpe(text: str, vocab_size: int) -> bytes:

@@ -27,7 +27,7 @@ from moejax.config import Config, ConfigError, from_dict, is_moe_layer, save_con
 from moejax.model.layers import dtype_of
 from moejax.model.moe import (FLOAT_EXPERT_NAMES, QUANTIZED_EXPERT_NAMES, dequantize_experts,
                               quantize_experts)
-from moejax.run_io import TOKENIZER_FILE
+from moejax.run_io import TOKENIZER_FILES
 from moejax.state import abstract_model
 
 SUMMARY_FILE = "quantize.json"
@@ -66,7 +66,9 @@ def _rebuild(template, source: dict[StatePath, object], layers: list[StatePath],
   return nnx.from_flat_state({path: var.replace(out[path]) for path, var in target.items()})
 
 
-def _quantized_layer(bits: int, group_size: int):
+def quantize_layer_experts(bits: int, group_size: int):
+  """-> convert(one MoE layer's float experts by FLOAT_EXPERT_NAMES) -> its codes and scales
+  by QUANTIZED_EXPERT_NAMES (also what `moejax import --expert-bits` runs per layer)."""
   def convert(w: dict) -> dict:
     gate_up, down = quantize_experts(*(w[n] for n in FLOAT_EXPERT_NAMES), bits, group_size)
     return dict(zip(QUANTIZED_EXPERT_NAMES, (gate_up.codes, gate_up.scales, down.codes,
@@ -89,7 +91,7 @@ def quantize_params(cfg_quantized: Config, params):
   q = cfg_quantized.inference
   return _rebuild(abstract_model(cfg_quantized)[1], _flat_values(params),
                   moe_layer_paths(cfg_quantized), FLOAT_EXPERT_NAMES,
-                  _quantized_layer(q.expert_bits, q.expert_group_size))
+                  quantize_layer_experts(q.expert_bits, q.expert_group_size))
 
 
 def dequantize_params(cfg_float: Config, cfg_quantized: Config, params):
@@ -166,7 +168,7 @@ def quantize_run(run_dir: str | Path, out_dir: str | Path, expert_bits: int,
   source = _flat_values(params)
   del params   # `source` now holds the only reference: each float layer is freed once quantized
   params_q = _rebuild(abstract_model(cfg_q)[1], source, moe_layer_paths(cfg_q),
-                      FLOAT_EXPERT_NAMES, _quantized_layer(expert_bits, group_size))
+                      FLOAT_EXPERT_NAMES, quantize_layer_experts(expert_bits, group_size))
   summary = {"run_dir": str(out_dir), "source": str(run_dir), "step": step,
              "expert_bits": expert_bits, "expert_group_size": group_size,
              "moe_layers": len(moe_layer_paths(cfg_q)), "expert_bytes_source": bytes_before,
@@ -182,8 +184,9 @@ def quantize_run(run_dir: str | Path, out_dir: str | Path, expert_bits: int,
     ckpt.save_params(step, params_q, buffers, cfg_q,
                      {"data_step": meta.get("data_step", step), "quantized_from": str(run_dir)})
     ckpt.close()
-    if (run_dir / TOKENIZER_FILE).is_file():
-      shutil.copy2(run_dir / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
+    for name in TOKENIZER_FILES:
+      if (run_dir / name).is_file():
+        shutil.copy2(run_dir / name, tmp / name)
     write_atomic(tmp / SUMMARY_FILE, json.dumps(summary, indent=2))
     if out_dir.is_dir():
       out_dir.rmdir()   # empty (checked above): rename needs the name free on every OS

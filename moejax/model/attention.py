@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax.model.layers import normal_init, rope
+from moejax.model.layers import RMSNorm, RopeScaling, normal_init, rope
 
 
 def gqa_attention(q_BTHA, k_BSNA, v_BSNA, mask_BTS):
@@ -32,25 +32,50 @@ def causal_mask(T: int) -> jax.Array:
 
 class Attention(nnx.Module):
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-               rope_theta: float, rngs: nnx.Rngs, std: float, dtype, param_dtype):
+               rope_theta: float, rngs: nnx.Rngs, std: float, dtype, param_dtype,
+               qkv_bias: bool = False, qk_norm: str = "none", clip_qkv: float = 0.0,
+               norm_eps: float = 1e-6, rope_scaling: RopeScaling | None = None):
     # Parameter names predate the shape legend (K = kv heads, d = head dim there); they are
     # checkpoint keys, so they stay: wq_DHd is [D, H*A], wk/wv_DKd [D, N*A], wo_HdD [H*A, D].
+    # The optional parts (model.qkv_bias, qk_norm) exist only when configured, so a model
+    # without them has exactly the keys it always had.
     init = normal_init(std)
-    self.wq_DHd = nnx.Param(init(rngs.params(), (d_model, num_heads * head_dim), param_dtype))
-    self.wk_DKd = nnx.Param(init(rngs.params(), (d_model, num_kv_heads * head_dim), param_dtype))
-    self.wv_DKd = nnx.Param(init(rngs.params(), (d_model, num_kv_heads * head_dim), param_dtype))
-    self.wo_HdD = nnx.Param(init(rngs.params(), (num_heads * head_dim, d_model), param_dtype))
-    self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-    self.rope_theta, self.dtype = rope_theta, dtype
+    H, N, A = num_heads, num_kv_heads, head_dim
+    self.wq_DHd = nnx.Param(init(rngs.params(), (d_model, H * A), param_dtype))
+    self.wk_DKd = nnx.Param(init(rngs.params(), (d_model, N * A), param_dtype))
+    self.wv_DKd = nnx.Param(init(rngs.params(), (d_model, N * A), param_dtype))
+    self.wo_HdD = nnx.Param(init(rngs.params(), (H * A, d_model), param_dtype))
+    if qkv_bias:
+      self.q_bias_HA = nnx.Param(jnp.zeros((H * A,), param_dtype))
+      self.k_bias_NA = nnx.Param(jnp.zeros((N * A,), param_dtype))
+      self.v_bias_NA = nnx.Param(jnp.zeros((N * A,), param_dtype))
+    self.qkv_bias, self.qk_norm, self.clip_qkv = qkv_bias, qk_norm, clip_qkv
+    if qk_norm != "none":
+      # head: one scale of A shared by all heads; full: one per channel of the projection.
+      q_dim, k_dim = (A, A) if qk_norm == "head" else (H * A, N * A)
+      self.q_norm = RMSNorm(q_dim, eps=norm_eps, param_dtype=param_dtype)
+      self.k_norm = RMSNorm(k_dim, eps=norm_eps, param_dtype=param_dtype)
+    self.num_heads, self.num_kv_heads, self.head_dim = H, N, A
+    self.rope_theta, self.rope_scaling, self.dtype = rope_theta, rope_scaling, dtype
 
   def project_qkv(self, x_BTD, positions_BT):
     B, T, _ = x_BTD.shape
     c = lambda p: p[...].astype(self.dtype)
-    q_BTHA = (x_BTD @ c(self.wq_DHd)).reshape(B, T, self.num_heads, self.head_dim)
-    k_BTNA = (x_BTD @ c(self.wk_DKd)).reshape(B, T, self.num_kv_heads, self.head_dim)
-    v_BTNA = (x_BTD @ c(self.wv_DKd)).reshape(B, T, self.num_kv_heads, self.head_dim)
-    return (rope(q_BTHA, positions_BT, self.rope_theta),
-            rope(k_BTNA, positions_BT, self.rope_theta), v_BTNA)
+    q, k, v = x_BTD @ c(self.wq_DHd), x_BTD @ c(self.wk_DKd), x_BTD @ c(self.wv_DKd)
+    if self.qkv_bias:
+      q, k, v = q + c(self.q_bias_HA), k + c(self.k_bias_NA), v + c(self.v_bias_NA)
+    if self.qk_norm == "full":
+      q, k = self.q_norm(q), self.k_norm(k)
+    q_BTHA = q.reshape(B, T, self.num_heads, self.head_dim)
+    k_BTNA = k.reshape(B, T, self.num_kv_heads, self.head_dim)
+    v_BTNA = v.reshape(B, T, self.num_kv_heads, self.head_dim)
+    if self.qk_norm == "head":
+      q_BTHA, k_BTNA = self.q_norm(q_BTHA), self.k_norm(k_BTNA)
+    if self.clip_qkv > 0:
+      q_BTHA, k_BTNA, v_BTNA = (jnp.clip(t, -self.clip_qkv, self.clip_qkv)
+                                for t in (q_BTHA, k_BTNA, v_BTNA))
+    return (rope(q_BTHA, positions_BT, self.rope_theta, self.rope_scaling),
+            rope(k_BTNA, positions_BT, self.rope_theta, self.rope_scaling), v_BTNA)
 
   def output(self, o_BTHA):
     B, T = o_BTHA.shape[:2]

@@ -1,6 +1,9 @@
 """Small building blocks: RMSNorm, rotary embeddings, dense SwiGLU feed-forward."""
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -25,13 +28,49 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x_BTHA: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
-  """Rotary position embedding (half-split convention) applied in float32.
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Context extension of the rotary frequencies (model.rope_scaling and its rope_* fields).
+  linear: every frequency / factor. llama3 (Llama 3.1): wavelengths longer than
+  original_max_len / low_freq_factor are scaled by 1 / factor, shorter than
+  original_max_len / high_freq_factor kept, and those between interpolated."""
+  kind: str = "none"
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_len: int = 8192
 
-  x_BTHA: [B, T, heads, A] (query or kv heads); rotates A/2 pairs of channels.
+
+def rope_frequencies(A: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+  """[A/2] float32 inverse frequencies of rotary channel pairs."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, A, 2, dtype=jnp.float32) / A))
+  if scaling is None or scaling.kind == "none":
+    return inv_freq
+  if scaling.kind == "linear":
+    return inv_freq / scaling.factor
+  if scaling.kind != "llama3":
+    raise ValueError(f"unknown rope scaling {scaling.kind!r}")
+  s = scaling
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > s.original_max_len / s.low_freq_factor, inv_freq / s.factor,
+                     inv_freq)
+  smooth = ((s.original_max_len / wavelen - s.low_freq_factor)
+            / (s.high_freq_factor - s.low_freq_factor))
+  smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+  medium = ((wavelen >= s.original_max_len / s.high_freq_factor)
+            & (wavelen <= s.original_max_len / s.low_freq_factor))
+  return jnp.where(medium, smoothed, scaled)
+
+
+def rope(x_BTHA: jax.Array, positions_BT: jax.Array, theta: float,
+         scaling: RopeScaling | None = None) -> jax.Array:
+  """Rotary position embedding (half-split convention, as Hugging Face's rotate_half)
+  applied in float32.
+
+  x_BTHA: [B, T, heads, A] (query or kv heads); rotates A/2 pairs of channels (c, c + A/2).
   """
   A = x_BTHA.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, A, 2, dtype=jnp.float32) / A))
+  inv_freq = rope_frequencies(A, theta, scaling)
   angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq      # [B, T, A/2]
   sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
   x = x_BTHA.astype(jnp.float32)

@@ -105,6 +105,8 @@ class MoE(nnx.Module):
     shared_hidden = (cfg.shared_expert_hidden or F) * cfg.num_shared_experts
     self.shared = SwiGLU(d_model, shared_hidden, rngs=rngs, std=std, dtype=dtype,
                          param_dtype=param_dtype) if cfg.num_shared_experts else None
+    if cfg.shared_expert_gate:   # only when configured: other models keep their keys
+      self.shared_gate_D = nnx.Param(init(rngs.params(), (d_model,), param_dtype))
     self.dtype = dtype
 
   def __call__(self, x_BTD):
@@ -125,7 +127,11 @@ class MoE(nnx.Module):
       y_TD = self._experts(x_TD, r, cap)
       stats = routing.load_stats(routing.stat_sums(r), B * T)
     if self.shared is not None:
-      y_TD = y_TD + self.shared(x_TD)
+      shared_TD = self.shared(x_TD)
+      if self.cfg.shared_expert_gate:
+        gate_T = jax.nn.sigmoid(x_TD @ self.shared_gate_D[...].astype(x_TD.dtype))
+        shared_TD = gate_T[:, None] * shared_TD
+      y_TD = y_TD + shared_TD
     return y_TD.reshape(B, T, D).astype(x_BTD.dtype), stats
 
   def _experts(self, x_TD, r: routing.Routing, capacity: int):

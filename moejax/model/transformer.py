@@ -8,14 +8,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax.config import Config, is_moe_layer
+from moejax.config import Config, ModelConfig, is_moe_layer
 from moejax.model import routing
 from moejax.model.attention import Attention
-from moejax.model.layers import RMSNorm, SwiGLU, dtype_of, normal_init
+from moejax.model.layers import RMSNorm, RopeScaling, SwiGLU, dtype_of, normal_init
 from moejax.model.moe import MoE
 
 if TYPE_CHECKING:   # type only: parallel imports the model, not the reverse
   from moejax.parallel.dispatch import ExpertParallel
+
+
+def rope_scaling_of(m: ModelConfig) -> RopeScaling | None:
+  if m.rope_scaling == "none":
+    return None
+  return RopeScaling(m.rope_scaling, m.rope_factor, m.rope_low_freq_factor,
+                     m.rope_high_freq_factor, m.rope_original_max_len)
 
 
 class Block(nnx.Module):
@@ -26,7 +33,9 @@ class Block(nnx.Module):
     self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdtype)
     self.attn = Attention(m.d_model, m.num_heads, m.num_kv_heads, m.head_dim,
                           rope_theta=m.rope_theta, rngs=rngs, std=m.init_std, dtype=dtype,
-                          param_dtype=pdtype)
+                          param_dtype=pdtype, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm,
+                          clip_qkv=m.clip_qkv, norm_eps=m.norm_eps,
+                          rope_scaling=rope_scaling_of(m))
     self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdtype)
     self.is_moe = is_moe_layer(cfg, layer)
     if self.is_moe:
@@ -110,6 +119,7 @@ def active_params(cfg: Config) -> int:
       k = routing.slots_per_token(e)
       shared = (e.shared_expert_hidden or e.expert_hidden) * e.num_shared_experts
       total += 3 * m.d_model * (k * e.expert_hidden + shared) + m.d_model * e.num_experts
+      total += m.d_model if e.shared_expert_gate else 0
     else:
       total += 3 * m.d_model * m.ffn_hidden
   return total
