@@ -80,6 +80,21 @@ def check_trainable(cfg: Config) -> None:
         f"{cfg.inference.expert_bits}")
 
 
+def fill_state(template, flat: dict):
+  """The nnx State of `template` (abstract leaves) with the values of `flat`, keyed by the
+  template's flat paths; a missing or extra path, or a shape / dtype the template does not
+  have, is an error naming it."""
+  target = dict(nnx.to_flat_state(template))
+  if set(flat) != set(target):
+    raise ValueError(f"parameter trees differ: {sorted(set(flat) ^ set(target))[:4]}")
+  for path, var in target.items():
+    want, got = var.get_value(), flat[path]
+    if (tuple(want.shape), want.dtype) != (tuple(got.shape), got.dtype):
+      raise ValueError(f"{path}: built {got.shape} {got.dtype}, the model has "
+                       f"{want.shape} {want.dtype}")
+  return nnx.from_flat_state({path: var.replace(flat[path]) for path, var in target.items()})
+
+
 def init_state(cfg: Config, model: Transformer | None = None) -> tuple[Any, TrainState]:
   check_trainable(cfg)
   model = model if model is not None else build_model(cfg, cfg.train.seed)

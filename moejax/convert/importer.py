@@ -40,7 +40,7 @@ from moejax.data import HFTokenizer
 from moejax.inference.quantize import moe_layer_paths, quantize_layer_experts
 from moejax.model.moe import FLOAT_EXPERT_NAMES
 from moejax.run_io import HF_TOKENIZER_FILE
-from moejax.state import abstract_model
+from moejax.state import abstract_model, fill_state
 
 SUMMARY_FILE = "import.json"
 DTYPES = ("bfloat16", "float32")
@@ -138,15 +138,7 @@ def convert_params(cfg_float: Config, cfg_out: Config, arch: str, tensors: Tenso
     for path, value in built.items():
       flat[path] = jax.device_put(value, cpu)
     del built
-  template = dict(nnx.to_flat_state(abstract_model(cfg_out)[1]))
-  if set(flat) != set(template):
-    raise ValueError(f"parameter trees differ: {sorted(set(flat) ^ set(template))[:4]}")
-  for path, var in template.items():
-    want, got = var.get_value(), flat[path]
-    if (tuple(want.shape), want.dtype) != (tuple(got.shape), got.dtype):
-      raise ValueError(f"{path}: built {got.shape} {got.dtype}, the model has "
-                       f"{want.shape} {want.dtype}")
-  return nnx.from_flat_state({path: var.replace(flat[path]) for path, var in template.items()})
+  return fill_state(abstract_model(cfg_out)[1], flat)
 
 
 def import_checkpoint(hf_config: dict, tensors: TensorSource, tokenizer_json: str | None,

@@ -28,7 +28,7 @@ from moejax.model.layers import dtype_of
 from moejax.model.moe import (FLOAT_EXPERT_NAMES, QUANTIZED_EXPERT_NAMES, dequantize_experts,
                               quantize_experts)
 from moejax.run_io import TOKENIZER_FILES
-from moejax.state import abstract_model
+from moejax.state import abstract_model, fill_state
 
 SUMMARY_FILE = "quantize.json"
 QUANTIZED_BITS = (8, 4)
@@ -55,15 +55,7 @@ def _rebuild(template, source: dict[StatePath, object], layers: list[StatePath],
     converted = convert_layer({name: source.pop(layer + (name,)) for name in from_names})
     out.update({layer + (name,): value for name, value in converted.items()})
   out.update(source)   # everything outside the routed experts is shared as is
-  target = dict(nnx.to_flat_state(template))
-  if set(out) != set(target):
-    raise ValueError(f"parameter trees differ: {sorted(set(out) ^ set(target))[:4]}")
-  for path, var in target.items():
-    want, got = var.get_value(), out[path]
-    if (tuple(want.shape), want.dtype) != (tuple(got.shape), got.dtype):
-      raise ValueError(f"{path}: built {got.shape} {got.dtype}, the model has "
-                       f"{want.shape} {want.dtype}")
-  return nnx.from_flat_state({path: var.replace(out[path]) for path, var in target.items()})
+  return fill_state(template, out)
 
 
 def quantize_layer_experts(bits: int, group_size: int):
