@@ -260,7 +260,7 @@ def format_row(r: dict) -> str:
                  f"{r['TBps']:5.2f} {100 * r['frac_of_copy']:5.0f}")
 
 
-SMOKE_OVERRIDES = ("model.d_model=64", "model.num_heads=2", "model.num_kv_heads=1",
+SMOKE_OVERRIDES = ("data.bpe_vocab_size=256", "model.d_model=64", "model.num_heads=2", "model.num_kv_heads=1",
                    "model.head_dim=64", "model.vocab_size=256", "moe.num_experts=4",
                    "moe.expert_hidden=64", "moe.expert_impl=gmm", "inference.expert_group_size=16",
                    "kv_cache.group_size=16", "kv_cache.residual_window=16")

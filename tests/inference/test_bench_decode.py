@@ -66,3 +66,13 @@ def test_bad_arguments_are_refused(tmp_path, capsys, argv, match):
   rc = cli.main(["bench-decode", TINY, "--smoke", "--out", str(tmp_path / "x.json"), *argv])
   assert rc == 2 and match in capsys.readouterr().err
   assert not (tmp_path / "x.json").exists()
+
+
+def test_smoke_runs_on_the_mixtral_config(tmp_path):
+  """--smoke shrinks every size a full-size config sets (its BPE vocabulary included)."""
+  out = tmp_path / "bench.json"
+  mixtral = "configs/mixtral_8x7b.yaml"
+  rc = cli.main(["bench-decode", mixtral, "--smoke", "--expert-bits", "4", "--kv-bits", "2",
+                 "--peer-layers", "0", "--out", str(out)])
+  assert rc == 0
+  assert [r.get("error") for r in json.loads(out.read_text())["rows"]] == [None]
