@@ -6,11 +6,14 @@ directory and renames it when complete, so an interrupted save never damages the
 checkpoints already written. Resuming restores the whole TrainState; evaluation and
 generation restore only params and buffers (`restore_params`, an orbax partial restore),
 so they never read or allocate the optimizer state. `save_params` writes only those (a
-quantized run's checkpoint, which can be evaluated but not resumed).
+quantized run's checkpoint, which can be evaluated but not resumed). `ParamsWriter` writes
+the same params-only checkpoint a piece at a time, so the host never holds the whole model
+(`moejax import`).
 """
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +145,103 @@ class Checkpointer:
   def close(self):
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+# ParamsWriter's default: host memory (a pending piece, orbax's staging of one save) against
+# the number of orbax saves, each of which costs more the more came before it.
+PIECE_BYTES = 64 * 2**20
+
+
+def _orbax_v1():
+  """orbax's v1 API (partial saves), imported only by ParamsWriter."""
+  try:   # where v1 is headed: orbax's own docs import it from here
+    from orbax.checkpoint import v1
+  except ImportError:
+    from orbax.checkpoint.experimental import v1
+  return v1
+
+
+class ParamsWriter:
+  """The checkpoint `Checkpointer.save_params(step, ...)` writes, built a piece at a time so
+  that only the arrays not yet written are held: `add` keeps arrays until `piece_bytes` are
+  pending, then writes them, at most piece_bytes per orbax partial save (each its own OCDBT
+  files), and drops them. `close` writes the rest, has orbax finalize the pieces into one
+  PyTree checkpoint (it merges their OCDBT indices; no array data is rewritten) and makes it
+  the `state` item of a step that the usual CheckpointManager writes with its `meta` item.
+  The step directory appears, complete, when close returns; restore_params reads it like
+  any other. One writer per step; not thread-safe."""
+
+  def __init__(self, directory: str | Path, step: int, cfg: Config, extra: dict | None = None,
+               piece_bytes: int = PIECE_BYTES):
+    self.directory, self.step = Path(directory).absolute(), int(step)
+    self.meta = {"config": cfg.to_dict(), "step": self.step, **(extra or {})}
+    self.piece_bytes = piece_bytes
+    self.pieces = 0
+    # Not a step name to CheckpointManager ("<digits>" or "..._<digits>"). Pieces left by an
+    # interrupted writer would join this one's checkpoint: refused, not reused.
+    self._scratch = self.directory / f"{self.step}.pieces"
+    stale = sorted(self.directory.glob(f"{self._scratch.name}*"))
+    if stale or (self.directory / str(self.step)).exists():
+      raise FileExistsError(f"{(stale or [self.directory / str(self.step)])[0]} exists")
+    self._pending: dict[str, Any] = {}
+    self._pending_bytes = 0
+    self._written: set[str] = set()
+    # The array format Checkpointer.save writes (orbax v0's default zarr2), whatever v1's.
+    self._v1 = _orbax_v1()
+    self._ctx = self._v1.Context()
+    self._ctx.array.saving.use_zarr3 = False
+
+  def add(self, params=None, buffers=None) -> None:
+    """Parts of the params and buffers States (pytrees of arrays keyed as in the whole model,
+    e.g. nnx.from_flat_state of some of its paths). Each array may be added once."""
+    flat = _flatten(TrainState(params, buffers, None, None, None))
+    again = sorted((self._written | set(self._pending)) & set(flat))
+    if again:
+      raise ValueError(f"arrays added twice: {again[:4]}")
+    self._pending.update(flat)
+    self._pending_bytes += sum(x.nbytes for x in flat.values())
+    if self._pending_bytes >= self.piece_bytes:
+      self._flush()
+
+  def _flush(self) -> None:
+    """Writes the pending arrays in saves of at most piece_bytes (an array larger than that
+    alone): orbax stages what one save writes (host copies, encoded chunks)."""
+    self.directory.mkdir(parents=True, exist_ok=True)
+    while self._pending:
+      group, size = {}, 0
+      for key, x in self._pending.items():
+        if group and size + x.nbytes > self.piece_bytes:
+          break
+        group[key], size = x, size + x.nbytes
+      with self._ctx:
+        self._v1.partial.save(self._scratch, group)
+      for key in group:
+        del self._pending[key]
+      self._written |= set(group)
+      self.pieces += 1
+    self._pending_bytes = 0
+
+  def close(self) -> None:
+    """Writes what is pending and finalizes (class doc)."""
+    self._flush()
+    if not self._written:
+      raise ValueError("no arrays were added")
+    with self._ctx:
+      self._v1.partial.finalize(self._scratch)
+    # The finalized checkpoint holds one PyTree directory (v1 names it; we need not).
+    trees = [p for p in self._scratch.iterdir() if p.is_dir()]
+    if len(trees) != 1:
+      raise RuntimeError(f"{self._scratch}: expected one PyTree directory, found "
+                         f"{sorted(p.name for p in trees)}")
+    # The step is assembled in the scratch directory and renamed into place whole.
+    ckpt = Checkpointer(self._scratch / "steps")
+    ckpt.manager.save(self.step, args=ocp.args.Composite(meta=ocp.args.JsonSave(self.meta)),
+                      force=True)
+    ckpt.close()
+    step_dir = self._scratch / "steps" / str(self.step)
+    trees[0].rename(step_dir / "state")
+    step_dir.rename(self.directory / str(self.step))
+    shutil.rmtree(self._scratch)
 
 
 def load_run_config(run_dir: str | Path) -> Config:

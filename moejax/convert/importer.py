@@ -6,7 +6,8 @@ Front ends: convert/hf.py (a Hugging Face model folder) and convert/gguf.py (a .
 which hands over HF names and HF layouts: GGUF's q/k row permutation already undone).
 
     import_checkpoint(hf_config, tensors, tokenizer_json, out_dir, *, dtype="bfloat16",
-                      expert_bits=16, group_size=128, source="") -> summary dict
+                      expert_bits=16, group_size=128, source="",
+                      piece_bytes=PIECE_BYTES) -> summary dict
 
 `tensors` is a TensorSource: `.keys()` and `.get(name)` returning the array (or a
 zero-argument callable returning it, so a plain {name: loader} dict works); an optional
@@ -14,9 +15,13 @@ zero-argument callable returning it, so a plain {name: loader} dict works); an o
 converted into its place in the parameter tree and dropped before the next is read; a MoE
 layer's experts are stacked into preallocated arrays one expert tensor at a time and, with
 expert_bits 8 | 4, quantized before the next layer is read (quantize.py's per-layer code).
+Converted arrays go to the checkpoint as they are built, piece_bytes at a time
+(checkpoint.ParamsWriter), so the host holds about one layer, never the whole model.
 The run directory holds config.yaml, a params-only checkpoint (step 0), tokenizer.json and
 import.json. It is written into a temporary sibling and renamed into place: OUT_DIR is
-absent (a refusal or failure) or complete; every refusal happens before anything is written.
+absent (a refusal or failure) or complete. Every refusal happens before anything is written,
+but for a wrong shape that only reading reveals (a source without `.shape`), which, like any
+failure, leaves nothing behind.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.atomic import write_atomic
-from moejax.checkpoint import Checkpointer
+from moejax.checkpoint import PIECE_BYTES, ParamsWriter
 from moejax.config import EXPERT_BITS, Config, ConfigError, from_dict, save_config
 from moejax.convert.mapping import (Target, UnsupportedModelError, architecture_of,
                                     check_names, config_from_hf, targets)
@@ -111,6 +116,15 @@ def _fetcher(tensors: TensorSource, shapes: dict[str, tuple[int, ...]]):
   return fetch
 
 
+def _missing_dirs(path: Path) -> list[Path]:
+  """path and its ancestors that do not exist yet, nearest first."""
+  out = []
+  while not path.exists():
+    out.append(path)
+    path = path.parent
+  return out
+
+
 def _check_shapes(tensors, shapes: dict[str, tuple[int, ...]]) -> None:
   """Up front, where the source can tell shapes without reading (safetensors headers)."""
   if not hasattr(tensors, "shape"):
@@ -121,32 +135,45 @@ def _check_shapes(tensors, shapes: dict[str, tuple[int, ...]]) -> None:
       raise TensorShapeError(f"tensor {name} has shape {got}; the config implies {want}")
 
 
-def convert_params(cfg_float: Config, cfg_out: Config, arch: str, tensors: TensorSource,
-                   targets_: list[Target], shapes: dict):
-  """The params State of cfg_out's model, built target by target (module doc)."""
+def write_params(cfg_float: Config, cfg_out: Config, tensors: TensorSource,
+                 targets_: list[Target], shapes: dict, writer: ParamsWriter) -> int:
+  """Builds the params of cfg_out's model target by target (module doc) and hands each
+  target's arrays to `writer` as soon as they are built: the host holds one target plus the
+  writer's pending piece, never the model. -> the number of parameters written."""
   like = {path: var.get_value() for path, var in nnx.to_flat_state(abstract_model(cfg_float)[1])}
+  template = dict(nnx.to_flat_state(abstract_model(cfg_out)[1]))
   q = cfg_out.inference
   quantize = quantize_layer_experts(q.expert_bits, q.expert_group_size) if q.expert_bits != 16 else None
   cpu = jax.devices("cpu")[0]
   fetch = _fetcher(tensors, shapes)
-  flat = {}
+  written = set()
   for target in targets_:
     built = target.build(fetch, like)
     layer = next(iter(built))[:-1]
     if quantize is not None and layer + (FLOAT_EXPERT_NAMES[0],) in built:
       built = {layer + (n,): v for n, v in quantize({p[-1]: v for p, v in built.items()}).items()}
-    for path, value in built.items():
-      flat[path] = jax.device_put(value, cpu)
-    del built
-  return fill_state(abstract_model(cfg_out)[1], flat)
+    paths = list(built)
+    if not set(paths) <= template.keys():
+      raise ValueError(f"parameter trees differ: {sorted(set(paths) - template.keys())[:4]}")
+    # Each host array is dropped as its CPU-device copy is made (a layer is held once, not
+    # twice); fill_state checks shapes and dtypes against the model's.
+    sub = nnx.from_flat_state({p: template[p] for p in paths})
+    writer.add(fill_state(sub, {p: jax.device_put(built.pop(p), cpu) for p in paths}))
+    written.update(paths)
+  if written != set(template):
+    raise ValueError(f"parameter trees differ: {sorted(set(template) - written)[:4]}")
+  return int(sum(np.prod(v.get_value().shape) for v in template.values()))
 
 
 def import_checkpoint(hf_config: dict, tensors: TensorSource, tokenizer_json: str | None,
                       out_dir: str | Path, *, dtype: str = "bfloat16", expert_bits: int = 16,
-                      group_size: int = 128, source: str = "") -> dict:
+                      group_size: int = 128, source: str = "",
+                      piece_bytes: int = PIECE_BYTES) -> dict:
   """Writes OUT_DIR, the moejax run of an HF checkpoint (module doc). tokenizer_json: the
   text of a Hugging Face tokenizer.json, or None (then eval / generate need
-  data.tokenizer_file=PATH). -> the summary also written to OUT_DIR/import.json."""
+  data.tokenizer_file=PATH). piece_bytes: how many converted bytes are gathered before one
+  orbax write (host memory against the number of writes). -> the summary also written to
+  OUT_DIR/import.json."""
   out_dir = Path(out_dir)
   check_out_dir(out_dir)
   arch = architecture_of(hf_config)
@@ -158,24 +185,24 @@ def import_checkpoint(hf_config: dict, tensors: TensorSource, tokenizer_json: st
   shapes = {name: shape for t in targets_ for name, shape in t.sources.items()}
   _check_shapes(tensors, shapes)
 
-  params = convert_params(cfg_float, cfg_out, arch, tensors, targets_, shapes)
-  buffers = abstract_model(cfg_out)[2]     # router biases exist only with bias_balancing
+  # No buffers to write: router biases exist only with moe.bias_balancing, never imported.
   summary = {"run_dir": str(out_dir), "source": source, "architecture": arch,
              "dtype": dtype, "expert_bits": expert_bits,
              "expert_group_size": group_size if expert_bits != 16 else None,
-             "tensors_read": len(shapes),
-             "params": int(sum(x.size for x in jax.tree.leaves(params))),
+             "tensors_read": len(shapes), "params": None,
              "tokenizer": HF_TOKENIZER_FILE if tokenizer_json is not None else None}
 
+  made = _missing_dirs(out_dir.parent)
   out_dir.parent.mkdir(parents=True, exist_ok=True)
   tmp = out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex[:12]}.tmp"
   tmp.mkdir()
   try:
     save_config(cfg_out, tmp / "config.yaml")
-    ckpt = Checkpointer(tmp / "checkpoints", keep=1)
-    ckpt.save_params(0, params, buffers, cfg_out,
-                     {"data_step": 0, "imported_from": source, "architecture": arch})
-    ckpt.close()
+    writer = ParamsWriter(tmp / "checkpoints", 0, cfg_out,
+                          {"data_step": 0, "imported_from": source, "architecture": arch},
+                          piece_bytes=piece_bytes)
+    summary["params"] = write_params(cfg_float, cfg_out, tensors, targets_, shapes, writer)
+    writer.close()
     if tokenizer_json is not None:
       write_atomic(tmp / HF_TOKENIZER_FILE, tokenizer_json)
     write_atomic(tmp / SUMMARY_FILE, json.dumps(summary, indent=2))
@@ -183,6 +210,8 @@ def import_checkpoint(hf_config: dict, tensors: TensorSource, tokenizer_json: st
       out_dir.rmdir()   # empty (checked above): rename needs the name free on every OS
     os.replace(tmp, out_dir)
   except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
+    # A tensor read mid-way can still be refused (a source that cannot tell shapes up front):
+    # leave nothing behind, not even the parent directories made for OUT_DIR.
+    shutil.rmtree(made[-1] if made else tmp, ignore_errors=True)
     raise
   return summary

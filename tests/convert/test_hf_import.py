@@ -1,6 +1,7 @@
 """`moejax import` of Hugging Face folders: logits against transformers' own (fixtures from
 make_fixtures.py), both expert namings, shards, refusals, the imported run in eval and
-generate, quantized experts, and that tensors stream one at a time."""
+generate, quantized experts, that tensors stream one at a time and that converted arrays
+are written as they are built (never the whole model in memory)."""
 from __future__ import annotations
 
 import json
@@ -277,6 +278,52 @@ def test_tensors_stream_one_at_a_time(tmp_path):
         f"peak {peak / 2**20:.2f} MiB")
   assert counting.reads == len(list(src.keys())) and counting.max_alive == 1
   assert peak < total / 2   # loading the model whole would trace >= total
+
+
+def _live_buffers() -> dict[int, int]:
+  return {a.unsafe_buffer_pointer(): a.nbytes for a in jax.live_arrays()}
+
+
+class _HeldArrays(_CountingSource):
+  """Also records, at every tensor read, the bytes of live jax arrays (distinct buffers, but
+  those alive before `start`, e.g. other tests'): converted parameters sit on the CPU
+  device, i.e. in host memory, until they are written."""
+
+  def start(self):
+    self.before, self.max_held = set(_live_buffers()), 0
+
+  def get(self, name):
+    held = sum(n for p, n in _live_buffers().items() if p not in self.before)
+    self.max_held = max(self.max_held, held)
+    return super().get(name)
+
+
+def test_import_holds_a_piece_not_the_model(tmp_path):
+  """Converted parameters go to disk as they are built, not once the model is complete. An
+  8-layer Mixtral, 3.4 MiB in bf16, written in 128 KiB pieces: at every read the import
+  holds no more converted arrays than a pending piece plus the largest target (a layer's
+  stacked experts, 384 KiB), under a sixth of the model. Holding the converted model for
+  one save at the end (the code before ParamsWriter) holds all but the last layer, 3 MiB,
+  by the last read."""
+  _synthetic_mixtral(tmp_path / "big", layers=8)
+  hf_config, src, _ = read_hf_folder(tmp_path / "big")
+  model = sum(int(np.prod(src.shape(k))) * 2 for k in src.keys())   # bf16
+  held = _HeldArrays(src)
+  import_checkpoint(hf_config, src, None, tmp_path / "one_save")   # one piece (PIECE_BYTES)
+  piece = 128 * 2**10
+  held.start()
+  summary = import_checkpoint(hf_config, held, None, tmp_path / "run", piece_bytes=piece)
+  src.close()
+  largest_target = 3 * 8 * 64 * 128 * 2
+  print(f"bf16 model {model / 2**20:.2f} MiB; converted arrays held at most "
+        f"{held.max_held / 2**10:.0f} KiB")
+  assert held.max_held <= piece + largest_target < model / 6
+  # Many pieces, one checkpoint: the arrays of the single-save import, bit for bit.
+  assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["0"]
+  a, b = _params(tmp_path / "run"), _params(tmp_path / "one_save")
+  assert a.keys() == b.keys() and summary["params"] == sum(v.size for v in a.values())
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
 def test_new_model_options_train_and_leave_default_keys_alone():
