@@ -25,6 +25,7 @@ from jax.profiler import ProfileData
 
 from moejax.config import load_config, with_overrides
 from moejax.inference.bench_decode import Case, _decode_program, case_config, random_caches
+from moejax.inference.load import decode_layout
 from moejax.state import build_model, split_model
 
 
@@ -74,7 +75,7 @@ def main() -> None:
   args = ap.parse_args()
   case = Case(args.expert_bits, args.kv_bits, args.batch, args.context, "gmm", args.layers, "")
   cfg = case_config(with_overrides(load_config(args.config), args.overrides), case)
-  graphdef, params, buffers = split_model(build_model(cfg, 0))
+  graphdef, params, buffers = decode_layout(*split_model(build_model(cfg, 0)))
   key = jax.random.key(0)
   caches = random_caches(cfg, case.batch, case.context, case.context + args.steps + 1, key)
   feed_B = jnp.zeros((case.batch,), jnp.int32)

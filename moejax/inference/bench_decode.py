@@ -32,6 +32,7 @@ from moejax.checkpoint import load_run_config
 from moejax.config import Config, is_moe_layer, load_config, with_overrides
 from moejax.model.moe import FLOAT_EXPERT_NAMES, QUANTIZED_EXPERT_NAMES
 from moejax.model.kv_cache import DenseKVCache, QuantizedKVCache, kv_quant_config
+from moejax.inference.load import decode_layout
 from moejax.inference.timing import copy_bandwidth, median_seconds
 from moejax.state import build_model, split_model
 from pallas_kernels.kv import quant as kvq
@@ -158,6 +159,8 @@ def bench_case(base: Config, case: Case, *, steps: tuple[int, int], prompt: int,
   cfg = case_config(base, case)
   model = build_model(cfg, seed)
   graphdef, params, buffers = split_model(model)
+  if case.label != PEER_LABEL:   # the peer keeps the plain layout (three q/k/v matmuls)
+    graphdef, params, buffers = decode_layout(graphdef, params, buffers)
   del model
   key = jax.random.key(seed)
   capacity = case.context + steps[1] + 1

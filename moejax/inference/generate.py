@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.config import Config
-from moejax.inference.load import TrainedModel
+from moejax.inference.load import TrainedModel, decode_layout
 from moejax.inference.sampling import SamplingConfig, sample
 from moejax.model.kv_cache import DenseKVCache
 
@@ -67,6 +67,7 @@ class Engine:
 
   def __init__(self, cfg: Config, graphdef: Any, params: Any, buffers: Any,
                cache_factory: CacheFactory = dense_caches):
+    graphdef, params, buffers = decode_layout(graphdef, params, buffers)
     self.cfg, self.graphdef, self.params, self.buffers = cfg, graphdef, params, buffers
     self.cache_factory = cache_factory
     self.num_traces = 0

@@ -6,13 +6,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 from flax import nnx
 
 from moejax.checkpoint import Checkpointer, load_run_config
 from moejax.config import Config, ConfigError, load_config, with_overrides
 from moejax.data import Tokenizer
 from moejax.run_io import load_tokenizer
-from moejax.state import abstract_model
+from moejax.state import abstract_model, split_model
 
 
 @dataclasses.dataclass
@@ -62,3 +63,26 @@ def _warn_if_edited(run_dir: Path, saved: Config) -> None:
     print(f"note: {path} differs from the checkpoint's config in {', '.join(diff)}; the "
           f"checkpoint's is used (pass key=value overrides to change a setting)",
           file=sys.stderr)
+
+
+# Matmul weights the model casts to its compute dtype where it uses them: stored in that
+# dtype, a float32-param model reads half the bytes per step and converts nothing.
+_CAST_AT_USE = frozenset({"wqkv_DP", "wo_HdD", "w_gate_EDF", "w_up_EDF", "w_down_EFD",
+                          "w_gate_DF", "w_up_DF", "w_down_FD",
+                          "embed_VD", "lm_head_DV"})
+
+
+def decode_layout(graphdef: Any, params: Any, buffers: Any):
+  """(graphdef, params, buffers) in the layout the decode programs run, computing exactly
+  what the checkpoint layout computes: each attention's q, k, v weights fused into one
+  (Attention.fuse_projections) and the matmul weights in the compute dtype
+  (model.dtype). Not a checkpoint layout."""
+  model = nnx.merge(graphdef, params, buffers)
+  for block in model.blocks:
+    block.attn.fuse_projections()
+  dtype = model.dtype
+  for path, var in nnx.iter_graph(model):
+    if isinstance(var, nnx.Param) and path and path[-1] in _CAST_AT_USE:
+      if var[...].dtype != dtype and jnp.issubdtype(var[...].dtype, jnp.floating):
+        var.set_value(var[...].astype(dtype))
+  return split_model(model)

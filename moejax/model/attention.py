@@ -1,4 +1,8 @@
-"""Grouped-query attention with rotary embeddings; causal over a sequence or a KV cache."""
+"""Grouped-query attention with rotary embeddings; causal over a sequence or a KV cache.
+
+Beyond the project's shape legend: P = (H + 2N) * A, the columns of the fused q|k|v
+projection (`Attention.fuse_projections`, the decode layout).
+"""
 from __future__ import annotations
 
 import jax
@@ -58,10 +62,25 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = H, N, A
     self.rope_theta, self.rope_scaling, self.dtype = rope_theta, rope_scaling, dtype
 
+  def fuse_projections(self) -> None:
+    """Replaces wq, wk, wv by one [D, P] weight (q | k | v columns), in place: the decode
+    layout, one weight read per step instead of three (at one token per sequence the two
+    [D, N*A] matmuls ran at a fraction of the copy rate). Not a checkpoint layout:
+    inference applies it after restoring."""
+    if hasattr(self, "wqkv_DP"):
+      return
+    self.wqkv_DP = nnx.Param(jnp.concatenate(
+        [self.wq_DHd[...], self.wk_DKd[...], self.wv_DKd[...]], axis=1))
+    del self.wq_DHd, self.wk_DKd, self.wv_DKd
+
   def project_qkv(self, x_BTD, positions_BT):
     B, T, _ = x_BTD.shape
     c = lambda p: p[...].astype(self.dtype)
-    q, k, v = x_BTD @ c(self.wq_DHd), x_BTD @ c(self.wk_DKd), x_BTD @ c(self.wv_DKd)
+    if hasattr(self, "wqkv_DP"):
+      HA, NA = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+      q, k, v = jnp.split(x_BTD @ c(self.wqkv_DP), [HA, HA + NA], axis=-1)
+    else:
+      q, k, v = x_BTD @ c(self.wq_DHd), x_BTD @ c(self.wk_DKd), x_BTD @ c(self.wv_DKd)
     if self.qkv_bias:
       q, k, v = q + c(self.q_bias_HA), k + c(self.k_bias_NA), v + c(self.v_bias_NA)
     if self.qk_norm == "full":
