@@ -1,5 +1,5 @@
 """Command line: moejax train | eval | generate | calibrate | eval-ppl | quantize | import |
-bench-decode  (see `moejax -h`)."""
+bench-decode | train-predictor | eval-prefetch  (see `moejax -h`)."""
 from __future__ import annotations
 
 import argparse
@@ -224,7 +224,90 @@ def build_parser() -> argparse.ArgumentParser:
   d.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
   d.add_argument("--out", default="bench_decode.json", help="JSON results")
   d.set_defaults(fn=_cmd_bench_decode)
+  _add_prefetch_commands(sub)
+  _add_elastic_routing_command(sub)
   return p
+
+
+# ------------------------------------------- expert prefetch (issue 36) ---
+
+def _cmd_train_predictor(args) -> int:
+  from moejax.inference.eval_prefetch import train_predictor_run
+  meta, path = train_predictor_run(args.run_dir, args.lookahead, args.tokens, args.ridge,
+                                   args.overrides)
+  print(f"learned prefetch predictor (step {meta['step']}, lookahead "
+        f"{' '.join(map(str, meta['lookahead']))}, {meta['train_tokens']:,} training tokens) "
+        f"saved to {path}")
+  return 0
+
+
+def _cmd_eval_prefetch(args) -> int:
+  from moejax.inference.eval_prefetch import eval_prefetch_run, format_table
+  result, paths = eval_prefetch_run(args.run_dir, args.lookahead, args.tokens, args.overrides)
+  print(format_table(result["rows"]))
+  print(f"\nrecall of the used experts when the top m are fetched, step {result['step']}, "
+        f"{result['val_tokens']:,} held-out tokens (k={result['top_k']}, "
+        f"E={result['num_experts']}; predictor trained on {result['train_tokens']:,})")
+  print(f"\n{paths['json']}\n{paths['plot']}")
+  return 0
+
+
+def _add_prefetch_commands(sub) -> None:
+  from moejax.inference.eval_prefetch import DEFAULT_TOKENS
+  from moejax.inference.prefetch import DEFAULT_RIDGE
+  look = dict(type=int, nargs="+", default=None,
+              help="layers ahead to predict (default: those of 1 2 3 the model has)")
+  tp = sub.add_parser("train-predictor", help="fit the learned expert-prefetch predictor on "
+                                              "training text (RUN_DIR/predictor.npz)")
+  tp.add_argument("run_dir")
+  tp.add_argument("overrides", nargs="*")
+  tp.add_argument("--lookahead", **look)
+  tp.add_argument("--tokens", type=_int_at_least(1), default=DEFAULT_TOKENS,
+                  help="training tokens to trace")
+  tp.add_argument("--ridge", type=float, default=DEFAULT_RIDGE)
+  tp.set_defaults(fn=_cmd_train_predictor)
+  ev = sub.add_parser("eval-prefetch", help="recall of expert-prefetch predictors on held-out "
+                                            "text (prefetch.json, prefetch.png)")
+  ev.add_argument("run_dir")
+  ev.add_argument("overrides", nargs="*")
+  ev.add_argument("--lookahead", **look)
+  ev.add_argument("--tokens", type=_int_at_least(1), default=DEFAULT_TOKENS,
+                  help="held-out tokens to trace (and training tokens, if no predictor yet)")
+  ev.set_defaults(fn=_cmd_eval_prefetch)
+
+
+# ----------------------------------------- elastic routing (issue 36) ---
+
+def _cmd_eval_routing(args) -> int:
+  from moejax.inference.elastic import format_table, run_sweep, summary_line
+  result, path = run_sweep(args.run_dir, top_p=args.top_p, entropy=args.entropy,
+                           max_k=args.max_k, min_k=args.min_k, batches=args.batches,
+                           time_decode=args.time, overrides=args.overrides)
+  print(format_table(result["rows"]))
+  print(f"\n{summary_line(result)}\n\n{path}")
+  return 0
+
+
+def _add_elastic_routing_command(sub) -> None:
+  from moejax.inference.elastic import DEFAULT_ENTROPY, DEFAULT_TOP_P
+  r = sub.add_parser("eval-routing", help="perplexity and experts per token of a top-k run "
+                                          "decoded with top-p / entropy routing "
+                                          "(RUN_DIR/routing_sweep.json)")
+  r.add_argument("run_dir")
+  r.add_argument("overrides", nargs="*", help="e.g. moe.expert_impl=gmm")
+  r.add_argument("--top-p", type=float, nargs="*", default=list(DEFAULT_TOP_P),
+                 help="cumulative router probabilities (none: no top-p rows)")
+  r.add_argument("--entropy", type=float, nargs="*", default=list(DEFAULT_ENTROPY),
+                 help="normalized router entropy thresholds in [0, 1) (none: no entropy rows)")
+  r.add_argument("--max-k", type=_int_at_least(1), default=None,
+                 help="experts per token at most (default: the trained top_k)")
+  r.add_argument("--min-k", type=_int_at_least(1), default=1,
+                 help="entropy routing: experts of a confident token")
+  r.add_argument("--batches", type=_int_at_least(1), default=8,
+                 help="validation batches per setting, spread over the split")
+  r.add_argument("--time", action="store_true",
+                 help="also time greedy decode (batch 1): ms/token, experts read per layer")
+  r.set_defaults(fn=_cmd_eval_routing)
 
 
 def guarded(command: str, fn, *args) -> int:

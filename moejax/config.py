@@ -53,6 +53,10 @@ class ModelConfig:
   init_std: float = 0.02
 
 
+# moe.routing modes that pick a per-token number of experts, in K = max_k static slots.
+ELASTIC_ROUTING = ("top_p", "entropy")
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
   num_experts: int = 8
@@ -65,10 +69,15 @@ class MoEConfig:
   first_dense_layers: int = 0    # the first N layers use a dense FFN
   moe_every: int = 1             # after those, every N-th layer is MoE (others dense)
   dense_layers: tuple[int, ...] = ()  # these layers use a dense FFN too (Qwen mlp_only_layers)
-  routing: str = "softmax_topk"  # softmax_topk (Mixtral) | topk_softmax | top_p
+  routing: str = "softmax_topk"  # softmax_topk (Mixtral) | topk_softmax | top_p | entropy
   renormalize: bool = True       # renormalize the selected weights to sum to 1
   top_p: float = 0.9             # top_p routing: take experts until cumulative prob >= p ...
-  max_k: int = 4                 # ... capped at max_k experts
+  max_k: int = 4                 # ... capped at max_k experts (top_p, entropy)
+  # entropy routing: h = H(router probs) / log E in [0, 1]; a token takes
+  # k = min_k + ceil((max_k - min_k) * max(h - threshold, 0) / (1 - threshold)) experts:
+  # min_k while confident (h <= threshold), max_k for a uniform router (routing.entropy_k).
+  min_k: int = 1
+  entropy_threshold: float = 0.5
   capacity_factor: float = 0.0   # 0: dropless; >0: capacity = ceil(cf * tokens * k / E)
   expert_impl: str = "ragged"    # dense | ragged | blocked | gmm
   aux_loss_coef: float = 0.01    # Switch load-balancing loss
@@ -307,7 +316,7 @@ def save_config(cfg: Config, path: str | Path) -> None:
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
-    "moe.routing": ("softmax_topk", "topk_softmax", "top_p"),
+    "moe.routing": ("softmax_topk", "topk_softmax", "top_p", "entropy"),
     "moe.expert_impl": ("dense", "ragged", "blocked", "gmm"),
     "data.corpus": ("shakespeare", "files"),
     "data.tokenizer": ("byte", "bpe", "hf"),
@@ -351,10 +360,7 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f"model.head_dim={m.head_dim} must be even (rotary embeddings rotate pairs)")
   if e.top_k > e.num_experts:
     raise ConfigError(f"moe.top_k={e.top_k} exceeds moe.num_experts={e.num_experts}")
-  if e.routing == "top_p" and not (0.0 < e.top_p <= 1.0):
-    raise ConfigError(f"moe.top_p={e.top_p}: must be in (0, 1]")
-  if e.routing == "top_p" and e.max_k > e.num_experts:
-    raise ConfigError(f"moe.max_k={e.max_k} exceeds moe.num_experts={e.num_experts}")
+  _validate_elastic_routing(e)
   for name, value in (("moe.num_shared_experts", e.num_shared_experts),
                       ("moe.shared_expert_hidden", e.shared_expert_hidden),
                       ("moe.first_dense_layers", e.first_dense_layers),
@@ -413,6 +419,21 @@ def validate(cfg: Config) -> None:
     raise ConfigError(
         f"mesh.expert={cfg.mesh.expert} does not divide moe.num_experts={e.num_experts}")
   _validate_inference(cfg)
+
+
+def _validate_elastic_routing(e: MoEConfig) -> None:
+  """top_p / entropy routing: their thresholds and K = max_k slots."""
+  if e.routing == "top_p" and not (0.0 < e.top_p <= 1.0):
+    raise ConfigError(f"moe.top_p={e.top_p}: must be in (0, 1]")
+  if e.routing == "entropy":
+    if not (0.0 <= e.entropy_threshold < 1.0):
+      raise ConfigError(f"moe.entropy_threshold={e.entropy_threshold}: must be in [0, 1) "
+                        "(a normalized router entropy; at or below it a token takes min_k "
+                        "experts)")
+    if not (1 <= e.min_k <= e.max_k):
+      raise ConfigError(f"moe.min_k={e.min_k}: must be in [1, moe.max_k={e.max_k}]")
+  if e.routing in ELASTIC_ROUTING and e.max_k > e.num_experts:
+    raise ConfigError(f"moe.max_k={e.max_k} exceeds moe.num_experts={e.num_experts}")
 
 
 def _validate_inference(cfg: Config) -> None:

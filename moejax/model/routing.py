@@ -5,8 +5,12 @@ one group; the expert-parallel dispatch (parallel/dispatch.py) routes each devic
 as a group. Statistics are built from additive per-group sums (`stat_sums`), so the
 expert-parallel path adds its devices' sums and applies the same `load_stats`.
 
-Shapes: T tokens, E experts, K slots per token (top_k, or max_k for top-p routing), C
+Shapes: T tokens, E experts, K slots per token (top_k, or max_k for the elastic modes), C
 capacity slots per expert. Everything here runs in float32.
+
+Elastic modes (top_p, entropy) choose a number of experts per token at run time: K = max_k
+slots stay static for jit and the unused ones are masked (selected = keep = False, weight
+0), which experts.py sorts past the real groups, so no expert weights are read for them.
 """
 from __future__ import annotations
 
@@ -15,8 +19,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.scipy.special import entr
 
-from moejax.config import MoEConfig
+from moejax.config import ELASTIC_ROUTING, MoEConfig
 
 
 class Routing(NamedTuple):
@@ -29,13 +34,18 @@ class Routing(NamedTuple):
 
 
 def route(logits_TE: jax.Array, *, mode: str, top_k: int, renormalize: bool,
-          top_p: float = 1.0, max_k: int = 1, bias_E: jax.Array | None = None,
-          capacity: int | None = None) -> Routing:
+          top_p: float = 1.0, max_k: int = 1, min_k: int = 1, entropy_threshold: float = 0.5,
+          bias_E: jax.Array | None = None, capacity: int | None = None) -> Routing:
   """Chooses experts per token.
 
   mode: 'softmax_topk' (softmax over all E, keep the top k; Mixtral),
         'topk_softmax' (top k logits, softmax over those k),
-        'top_p' (softmax; take experts by descending prob until cumulative >= top_p, <= max_k).
+        'top_p' (softmax; take experts by descending prob until cumulative >= top_p, <= max_k),
+        'entropy' (softmax; the top entropy_k experts, see `entropy_k`: min_k for a
+          confident router, up to max_k for an uncertain one).
+  Weights: the chosen experts' softmax probs, divided by their sum when renormalize (every
+    mode but topk_softmax, whose weights sum to 1 already); unused slots weigh 0. So a
+    softmax_topk model decoded by top_p / entropy weights its experts as it was trained.
   bias_E: auxiliary-loss-free balancing bias, added for *selection only*; the weights come
     from the unbiased probabilities.
   capacity: slots per expert; assignments beyond it are dropped (top-1 choices get
@@ -46,7 +56,7 @@ def route(logits_TE: jax.Array, *, mode: str, top_k: int, renormalize: bool,
   select_scores = logits_TE if mode == "topk_softmax" else probs_TE
   if bias_E is not None:
     select_scores = select_scores + bias_E.astype(jnp.float32)
-  k = max_k if mode == "top_p" else top_k
+  k = max_k if mode in ELASTIC_ROUTING else top_k
   _, expert_TK = jax.lax.top_k(select_scores, k)
   expert_TK = expert_TK.astype(jnp.int32)
   chosen_probs_TK = jnp.take_along_axis(probs_TE, expert_TK, axis=-1)
@@ -64,6 +74,10 @@ def route(logits_TE: jax.Array, *, mode: str, top_k: int, renormalize: bool,
     mass_before_TK = jnp.cumsum(chosen_probs_TK, axis=-1) - chosen_probs_TK
     selected_TK = mass_before_TK < top_p
     weight_TK = jnp.where(selected_TK, chosen_probs_TK, 0.0)
+  elif mode == "entropy":
+    k_T = entropy_k(probs_TE, min_k, max_k, entropy_threshold)
+    selected_TK = jnp.arange(k, dtype=jnp.int32) < k_T[:, None]
+    weight_TK = jnp.where(selected_TK, chosen_probs_TK, 0.0)
   else:
     raise ValueError(f"unknown routing mode {mode!r}")
   if renormalize and mode != "topk_softmax":
@@ -77,9 +91,29 @@ def route(logits_TE: jax.Array, *, mode: str, top_k: int, renormalize: bool,
   return Routing(expert_TK, weight_TK, keep_TK, probs_TE, logits_TE, selected_TK)
 
 
+def normalized_entropy(probs_TE: jax.Array) -> jax.Array:
+  """H(p) / log E per token, in [0, 1]: 0 for a one-hot router, 1 for a uniform one. [T]"""
+  E = probs_TE.shape[-1]
+  if E == 1:
+    return jnp.zeros(probs_TE.shape[:-1], jnp.float32)
+  return jnp.clip(entr(probs_TE.astype(jnp.float32)).sum(-1) / math.log(E), 0.0, 1.0)
+
+
+def entropy_k(probs_TE: jax.Array, min_k: int, max_k: int, threshold: float) -> jax.Array:
+  """Experts per token of entropy routing: with h = normalized_entropy and t = threshold,
+
+      k = min_k + ceil((max_k - min_k) * max(h - t, 0) / (1 - t))
+
+  min_k while h <= t, then one more expert per (1 - t) / (max_k - min_k) of h, max_k for a
+  uniform router (h = 1). With max_k = min_k + 1 it is a switch at t. int32 [T]."""
+  h_T = normalized_entropy(probs_TE)
+  frac_T = jnp.clip((h_T - threshold) / (1.0 - threshold), 0.0, 1.0)
+  return min_k + jnp.ceil(frac_T * (max_k - min_k)).astype(jnp.int32)
+
+
 def slots_per_token(cfg: MoEConfig) -> int:
-  """K: the expert slots a token may fill (top_k; max_k for top-p routing)."""
-  return cfg.max_k if cfg.routing == "top_p" else cfg.top_k
+  """K: the expert slots a token may fill (top_k; max_k for the elastic modes)."""
+  return cfg.max_k if cfg.routing in ELASTIC_ROUTING else cfg.top_k
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -101,7 +135,8 @@ def route_tokens(cfg: MoEConfig, x_TD: jax.Array, router_DE: jax.Array,
   """The MoE layer's routing of one group of tokens, capacity counted from that group."""
   logits_TE = x_TD.astype(jnp.float32) @ router_DE.astype(jnp.float32)
   return route(logits_TE, mode=cfg.routing, top_k=cfg.top_k, renormalize=cfg.renormalize,
-               top_p=cfg.top_p, max_k=cfg.max_k, bias_E=bias_E,
+               top_p=cfg.top_p, max_k=cfg.max_k, min_k=cfg.min_k,
+               entropy_threshold=cfg.entropy_threshold, bias_E=bias_E,
                capacity=expert_capacity(cfg, x_TD.shape[0]))
 
 
