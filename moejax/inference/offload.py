@@ -7,7 +7,7 @@ whose routed experts come from a pool of HBM slots, and the host copies of the e
   attention      Block.__call__ up to the router (a dense block: all of it), the shared
                  experts' output, and the lookahead gate's scores of the next MoE layers
                  (prefetch.LookaheadGate's math).
-  routed_experts one experts pass: the model's own MoE._experts (expert_ffn /
+  routed_experts one experts pass: the model's own MoE.experts (expert_ffn /
                  quantized_expert_ffn) on the pool, expert ids remapped to slots, added to the
                  shared experts and earlier passes; the last pass adds the residual.
   write_slot     a staged expert into its slot (donated pool, dynamic_update_slice in place);
@@ -177,15 +177,9 @@ def attention(d: BlockDef, state, x_BTD, cache, positions_BT, gates):
     return x_BTD + block.ffn(h_BTD), None, None, None, None, cache, scores, hidden_TD
   ffn = block.ffn
   x_TD = h_BTD.reshape(B * T, D)
-  bias_E = None if ffn.bias_E is None else ffn.bias_E[...]
-  r = routing.route_tokens(d.moe, x_TD, ffn.router_DE[...], bias_E)
+  r = ffn.route(x_TD)
   used_TK = jnp.where(r.keep_TK, r.expert_TK, -1)
-  shared_TD = None
-  if ffn.shared is not None:   # MoE.__call__'s shared experts
-    shared_TD = ffn.shared(x_TD)
-    if ffn.cfg.shared_expert_gate:
-      gate_T = jax.nn.sigmoid(x_TD @ ffn.shared_gate_D[...].astype(x_TD.dtype))
-      shared_TD = gate_T[:, None] * shared_TD
+  shared_TD = ffn.shared_out(x_TD)
   return (x_BTD, h_BTD, (r.expert_TK, r.weight_TK, r.keep_TK), used_TK, shared_TD, cache,
           scores, hidden_TD)
 
@@ -200,7 +194,7 @@ def contracts_over_experts(impl: str, platform: str) -> bool:
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def routed_experts(d: BlockDef, capacity: int, last: bool, expand: bool, state, x_BTD, h_BTD,
                    route, slot_E, pool, acc_TD):
-  """One experts pass: MoE._experts over the pool, expert e -> slot slot_E[e] (-1: not in
+  """One experts pass: MoE.experts over the pool, expert e -> slot slot_E[e] (-1: not in
   this pass, contributes nothing), added to acc_TD (the shared experts' output and earlier
   passes) as MoE.__call__ adds its shared experts, so that XLA folds the addition into the
   experts' scatter-add as it does in the model. last: also Block.__call__'s residual -> x.
@@ -216,7 +210,7 @@ def routed_experts(d: BlockDef, capacity: int, last: bool, expand: bool, state, 
   slot_TK = slot_E[expert_TK]
   r = routing.Routing(jnp.maximum(slot_TK, 0), weight_TK, keep_TK & (slot_TK >= 0),
                       None, None, None)
-  y_TD = ffn._experts(h_BTD.reshape(B * T, D), r, capacity)
+  y_TD = ffn.experts(h_BTD.reshape(B * T, D), r, capacity)
   if acc_TD is not None:
     y_TD = y_TD + acc_TD
   if not last:

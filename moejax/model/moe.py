@@ -115,26 +115,40 @@ class MoE(nnx.Module):
     chex.assert_rank(x_BTD, 3)
     B, T, D = x_BTD.shape
     x_TD = x_BTD.reshape(B * T, D)
-    bias_E = None if self.bias_E is None else self.bias_E[...]
     if self.ep is not None:
       c = lambda p: p[...].astype(self.dtype)
       weights = c(self.w_gate_EDF), c(self.w_up_EDF), c(self.w_down_EFD)
+      bias_E = None if self.bias_E is None else self.bias_E[...]
       y_TD, stats = self.ep(self.cfg, x_TD, self.router_DE[...], bias_E, *weights)
     else:
-      r = routing.route_tokens(self.cfg, x_TD, self.router_DE[...], bias_E)
+      r = self.route(x_TD)
       # Dropless: a token picks an expert at most once, so T slots per expert always suffice.
       cap = routing.expert_capacity(self.cfg, B * T) or B * T
-      y_TD = self._experts(x_TD, r, cap)
+      y_TD = self.experts(x_TD, r, cap)
       stats = routing.load_stats(routing.stat_sums(r), B * T)
-    if self.shared is not None:
-      shared_TD = self.shared(x_TD)
-      if self.cfg.shared_expert_gate:
-        gate_T = jax.nn.sigmoid(x_TD @ self.shared_gate_D[...].astype(x_TD.dtype))
-        shared_TD = gate_T[:, None] * shared_TD
+    shared_TD = self.shared_out(x_TD)
+    if shared_TD is not None:
       y_TD = y_TD + shared_TD
     return y_TD.reshape(B, T, D).astype(x_BTD.dtype), stats
 
-  def _experts(self, x_TD, r: routing.Routing, capacity: int):
+  # The parts of __call__ (one device), public for callers that run them apart (expert
+  # offload, inference/offload.py): route, then experts, plus the shared experts.
+  def route(self, x_TD) -> routing.Routing:
+    bias_E = None if self.bias_E is None else self.bias_E[...]
+    return routing.route_tokens(self.cfg, x_TD, self.router_DE[...], bias_E)
+
+  def shared_out(self, x_TD):
+    """The shared experts' (gated) output, or None without shared experts."""
+    if self.shared is None:
+      return None
+    shared_TD = self.shared(x_TD)
+    if self.cfg.shared_expert_gate:
+      gate_T = jax.nn.sigmoid(x_TD @ self.shared_gate_D[...].astype(x_TD.dtype))
+      shared_TD = gate_T[:, None] * shared_TD
+    return shared_TD
+
+  def experts(self, x_TD, r: routing.Routing, capacity: int):
+    """The routed experts' weighted sum for the routing r: [T, D]."""
     args = (self.cfg.expert_impl, x_TD, r.expert_TK, r.weight_TK, r.keep_TK)
     if self.expert_bits == 16:
       c = lambda p: p[...].astype(self.dtype)
