@@ -5,51 +5,29 @@ import shutil
 from pathlib import Path
 
 import jax
-import numpy as np
 import pytest
 
-from moejax import cli, train as train_mod
-from moejax.checkpoint import Checkpointer
+import _tiny_run as tiny_run
+
+from moejax import cli
 from moejax.config import load_config
 from moejax.inference import elastic
-from moejax.state import build_model, split_model
 
-# configs/tiny.yaml (layer 0 dense, top-2 of E experts, renormalized) at test size.
-SMALL = ["model.d_model=32", "model.num_layers=3", "model.num_heads=2", "model.num_kv_heads=1",
-         "model.head_dim=16", "model.ffn_hidden=48", "moe.expert_hidden=32", "moe.num_experts=4",
-         "model.max_seq_len=128", "data.seq_len=16", "data.batch_size=4", "train.log_every=2",
-         "train.eval_every=6", "train.eval_batches=2", "train.checkpoint_every=6",
-         "train.warmup_steps=2", "train.tensorboard=false", "train.steps=6"]
-
-
-def _cfg(tmp: Path, run: str, *extra):
-  return load_config("configs/tiny.yaml", SMALL + [
-      "data.corpus=files", f"data.files={tmp / 'a.txt'}", f"train.out_dir={tmp / run}", *extra])
+SMALL = tiny_run.small(layers=3, steps=6, max_seq_len=128)
+_cfg = lambda tmp, run, *extra: tiny_run.config(tmp, SMALL, run, *extra)
+_tree = tiny_run.tree
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """A tiny run trained 6 steps, and one with no MoE layer (checkpointed, not trained)."""
-  tmp = tmp_path_factory.mktemp("elastic")
-  rng = np.random.default_rng(0)
-  words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis"]
-  (tmp / "a.txt").write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(400)))
-  train_mod.train(_cfg(tmp, "run"), quiet=True)
-  dense = _cfg(tmp, "dense", "moe.first_dense_layers=3")
-  _, params, buffers = split_model(build_model(dense, 0))
-  Checkpointer(tmp / "dense" / "checkpoints").save_params(0, params, buffers, dense)
-  return tmp
+  return tiny_run.make_runs(tmp_path_factory.mktemp("elastic"), SMALL)
 
 
 @pytest.fixture
 def run(runs, tmp_path):
   """A private copy of the trained run (tests write into it)."""
-  return Path(shutil.copytree(runs / "run", tmp_path / "run"))
-
-
-def _tree(path: Path) -> dict[str, bytes]:
-  return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
-          if p.is_file()}
+  return tiny_run.private_copy(runs, tmp_path)
 
 
 def test_eval_routing_writes_the_sweep(run, capsys):

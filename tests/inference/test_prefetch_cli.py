@@ -1,54 +1,28 @@
 """`moejax train-predictor` and `moejax eval-prefetch` end to end on a tiny trained run, and
 their refusals, each of which writes nothing."""
 import json
-import shutil
-from pathlib import Path
 
-import numpy as np
 import pytest
 
+import _tiny_run as tiny_run
+
 from moejax import cli, train as train_mod
-from moejax.checkpoint import Checkpointer
-from moejax.config import load_config
-from moejax.state import build_model, split_model
 
-# configs/tiny.yaml (layer 0 dense, MoE after it) at test size: 4 layers, so d = 1, 2, 3;
-# E = 4 and k = 2, so m = 2k = E must give recall 1.
-SMALL = ["model.d_model=32", "model.num_layers=4", "model.num_heads=2", "model.num_kv_heads=1",
-         "model.head_dim=16", "model.ffn_hidden=48", "moe.expert_hidden=32", "moe.num_experts=4",
-         "model.max_seq_len=64", "data.seq_len=16", "data.batch_size=4", "train.log_every=2",
-         "train.eval_every=4", "train.eval_batches=2", "train.checkpoint_every=4",
-         "train.warmup_steps=2", "train.tensorboard=false", "train.steps=4"]
-
-
-def _cfg(tmp: Path, run: str, *extra):
-  return load_config("configs/tiny.yaml", SMALL + [
-      "data.corpus=files", f"data.files={tmp / 'a.txt'}", f"train.out_dir={tmp / run}", *extra])
+SMALL = tiny_run.small(layers=4, steps=4, max_seq_len=64)
+_cfg = lambda tmp, run, *extra: tiny_run.config(tmp, SMALL, run, *extra)
+_tree = tiny_run.tree
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """A tiny run trained 4 steps, and one with no MoE layer (checkpointed, not trained)."""
-  tmp = tmp_path_factory.mktemp("prefetch")
-  rng = np.random.default_rng(0)
-  words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis"]
-  (tmp / "a.txt").write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(400)))
-  train_mod.train(_cfg(tmp, "run"), quiet=True)
-  dense = _cfg(tmp, "dense", "moe.first_dense_layers=4")
-  _, params, buffers = split_model(build_model(dense, 0))
-  Checkpointer(tmp / "dense" / "checkpoints").save_params(0, params, buffers, dense)
-  return tmp
+  return tiny_run.make_runs(tmp_path_factory.mktemp("prefetch"), SMALL)
 
 
 @pytest.fixture
 def run(runs, tmp_path):
   """A private copy of the trained run (tests write into it)."""
-  return Path(shutil.copytree(runs / "run", tmp_path / "run"))
-
-
-def _tree(path: Path) -> dict[str, bytes]:
-  return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
-          if p.is_file()}
+  return tiny_run.private_copy(runs, tmp_path)
 
 
 def test_eval_prefetch_writes_rows_plot_and_a_predictor(run, capsys):
