@@ -46,6 +46,26 @@ def end_token_ids(tokenizer) -> tuple[int, ...]:
   return (int(eos),) if eos is not None and int(eos) >= 0 else ()
 
 
+def pad_prompts(prompts, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads the prompts to the longest -> (int32[B, P], lengths int32[B]); a clear error
+  for an empty list, an empty or nested prompt, or an id outside [0, vocab_size)."""
+  if np.ndim(prompts[0] if len(prompts) else 0) != 1:
+    raise ValueError("prompts: expected a non-empty list of token-id lists, one per sequence")
+  rows = [np.asarray(p) for p in prompts]
+  if any(r.ndim != 1 for r in rows):
+    raise ValueError("prompts: each prompt must be a flat list of token ids")
+  for b, row in enumerate(rows):
+    if row.size == 0:
+      raise ValueError(f"prompt {b} is empty: each prompt needs at least one token")
+    if not np.issubdtype(row.dtype, np.integer) or row.min() < 0 or row.max() >= vocab_size:
+      raise ValueError(f"prompt {b}: token ids must be integers in [0, {vocab_size})")
+  lengths_B = np.array([r.size for r in rows], np.int32)
+  prompt_BP = np.zeros((len(rows), lengths_B.max()), np.int32)
+  for b, row in enumerate(rows):
+    prompt_BP[b, :row.size] = row
+  return prompt_BP, lengths_B
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   """Everything the compiled program is specialized on; the key of Engine's cache."""
@@ -107,23 +127,7 @@ class Engine:
     return [row[:n].tolist() for row, n in zip(new_BN, num_new_B)], caches
 
   def _pad(self, prompts) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pads the prompts to the longest -> (int32[B, P], lengths int32[B])."""
-    if np.ndim(prompts[0] if len(prompts) else 0) != 1:
-      raise ValueError("prompts: expected a non-empty list of token-id lists, one per sequence")
-    rows = [np.asarray(p) for p in prompts]
-    if any(r.ndim != 1 for r in rows):
-      raise ValueError("prompts: each prompt must be a flat list of token ids")
-    V = self.cfg.model.vocab_size
-    for b, row in enumerate(rows):
-      if row.size == 0:
-        raise ValueError(f"prompt {b} is empty: each prompt needs at least one token")
-      if not np.issubdtype(row.dtype, np.integer) or row.min() < 0 or row.max() >= V:
-        raise ValueError(f"prompt {b}: token ids must be integers in [0, {V})")
-    lengths_B = np.array([r.size for r in rows], np.int32)
-    prompt_BP = np.zeros((len(rows), lengths_B.max()), np.int32)
-    for b, row in enumerate(rows):
-      prompt_BP[b, :row.size] = row
-    return prompt_BP, lengths_B
+    return pad_prompts(prompts, self.cfg.model.vocab_size)
 
   def _program(self, plan: _Plan) -> Callable:
     cfg, graphdef, factory = self.cfg, self.graphdef, self.cache_factory

@@ -35,28 +35,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.inference import offload as off
-from moejax.inference.generate import CacheFactory, dense_caches
+from moejax.inference.generate import CacheFactory, dense_caches, pad_prompts
 from moejax.inference.offload_cache import OffloadCache, OffloadStats
 from moejax.inference.routing_trace import RoutingTrace
 from moejax.inference.sampling import SamplingConfig
 from moejax.model import routing
 
 TRANSFERS = ("device_put", "in_jit")
-
-
-def _check_prompts(prompts, vocab: int) -> tuple[np.ndarray, np.ndarray]:
-  """-> (right-padded int32[B, P], lengths int32[B]); Engine's rules."""
-  rows = [np.asarray(p) for p in prompts]
-  if not rows or any(r.ndim != 1 or r.size == 0 for r in rows):
-    raise ValueError("prompts: expected a non-empty list of non-empty token-id lists")
-  for b, r in enumerate(rows):
-    if not np.issubdtype(r.dtype, np.integer) or r.min() < 0 or r.max() >= vocab:
-      raise ValueError(f"prompt {b}: token ids must be integers in [0, {vocab})")
-  lengths_B = np.array([r.size for r in rows], np.int32)
-  prompt_BP = np.zeros((len(rows), lengths_B.max()), np.int32)
-  for b, r in enumerate(rows):
-    prompt_BP[b, :r.size] = r
-  return prompt_BP, lengths_B
 
 
 def _is_int(x) -> bool:
@@ -147,7 +132,7 @@ class OffloadEngine:
     """Engine.generate, step by step: prefill the shortest prompt's length, then a sequence is
     fed its prompt while inside it, else its sampled token (Engine's keys: the same tokens)."""
     cfg = self.om.cfg
-    prompt_BP, lengths_B = _check_prompts(prompts, cfg.model.vocab_size)
+    prompt_BP, lengths_B = pad_prompts(prompts, cfg.model.vocab_size)
     N = max_new_tokens
     if not _is_int(N) or N < 1:
       raise ValueError(f"max_new_tokens {N!r}: must be an integer >= 1")
