@@ -20,6 +20,10 @@ experts copied straight to pinned host memory, so the experts never have to fit 
   python experiments/bench_offload.py                         # Mixtral-8x7B shape, GPU
   python experiments/bench_offload.py --layers 8 --budgets 50
   python experiments/bench_offload.py --smoke                 # tiny shapes, CPU, < 1 minute
+  python experiments/bench_offload.py --run runs/reference_gpu --predictor learned
+      # a trained run: its weights, held-out text as prompts, sampled continuations (the
+      # same tokens under every policy: offload is exact); --predictor learned reads the
+      # run's predictor.npz (moejax train-predictor)
 Prints the table; writes JSON to $OUT/bench_offload.json (or --out).
 """
 from __future__ import annotations
@@ -70,6 +74,20 @@ def build(cfg, placement, seed=0) -> OffloadModel:
     om.add_block(Block(cfg, i, rngs=nnx.Rngs(params=seed + 1 + i)))
     gc.collect()
   return om
+
+
+def from_run(run_dir: str, placement, lookahead: int, predictor: str):
+  """A trained run's OffloadModel, its validation tokens, and the predictor to prefetch
+  with ("gate", or the run's learned maps for lookahead 1..d)."""
+  from moejax.inference.load import load_trained
+  from moejax.inference.prefetch import load_predictor
+  from moejax.run_io import load_data
+  tm = load_trained(run_dir)
+  om = OffloadModel.from_split(tm.cfg, tm.graphdef, tm.params, tm.buffers, placement)
+  chosen = predictor
+  if predictor == "learned":
+    chosen = load_predictor(run_dir, tm, list(range(1, lookahead + 1)))[0]
+  return om, load_data(tm.cfg, run_dir).val, chosen
 
 
 def _ready(x):
@@ -164,16 +182,19 @@ def probe(om: OffloadModel, reps: int) -> dict:
   return out
 
 
-def decode_steps(eng: OffloadEngine, prompt, steps: int, warmup: int) -> list[dict]:
+def decode_steps(eng: OffloadEngine, prompt, steps: int, warmup: int, sampling=None
+                 ) -> list[dict]:
   """A warm-up call (compiles, fills the cache), then one timed generate; its decode forwards
-  after the first `warmup`."""
-  eng.generate(prompt, 2)
+  after the first `warmup`. sampling: None greedy, else (SamplingConfig, seed)."""
+  kw = {} if sampling is None else dict(sampling=sampling[0], seed=sampling[1])
+  eng.generate(prompt, 2, **kw)
   eng.reset_stats()
-  eng.generate(prompt, steps + warmup)
+  eng.generate(prompt, steps + warmup, **kw)
   return [f for f in eng.forward_log if f["phase"] == "decode"][warmup:]
 
 
-def in_hbm_ms(om: OffloadModel, hbm_layers: int, prompt, steps, warmup, **kw) -> tuple:
+def in_hbm_ms(om: OffloadModel, hbm_layers: int, prompt, steps, warmup, sampling=None,
+              **kw) -> tuple:
   """Median decode step with every expert resident, at the full depth: measured at
   hbm_layers, or extended linearly from hbm_layers // 2 and hbm_layers."""
   L = om.cfg.model.num_layers
@@ -182,7 +203,7 @@ def in_hbm_ms(om: OffloadModel, hbm_layers: int, prompt, steps, warmup, **kw) ->
   for n in depths:
     sub = om if n == L else om.truncated(n)
     eng = OffloadEngine(sub, slots=len(sub.moe_layers) * sub.num_experts, policy="lru", **kw)
-    log = decode_steps(eng, prompt, steps, warmup)
+    log = decode_steps(eng, prompt, steps, warmup, sampling)
     times.append(statistics.median(f["seconds"] for f in log))
     misses += sum(f["misses"] for f in log)
     del eng, sub
@@ -193,11 +214,11 @@ def in_hbm_ms(om: OffloadModel, hbm_layers: int, prompt, steps, warmup, **kw) ->
   return times[1] + per_layer * (L - depths[1]), depths, misses
 
 
-def row(om, budget, policy, prompt, steps, warmup, bw, t_hbm, **kw) -> dict:
+def row(om, budget, policy, prompt, steps, warmup, bw, t_hbm, sampling=None, **kw) -> dict:
   total = len(om.moe_layers) * om.num_experts
   slots = max(1, round(budget / 100 * total))
   eng = OffloadEngine(om, slots=slots, policy=policy, **kw)
-  log = decode_steps(eng, prompt, steps, warmup)
+  log = decode_steps(eng, prompt, steps, warmup, sampling)
   s, eb, B = eng.stats["decode"], om.expert_bytes, len(prompt)
   moved = [(f["misses"] + f["prefetches"]) * eb for f in log]
   ratios = [f["seconds"] / max(b / bw, t_hbm) for f, b in zip(log, moved)]
@@ -245,11 +266,20 @@ def main(argv=None) -> dict:
   p.add_argument("--prefetch-width", type=int, default=0, help="0: top_k")
   p.add_argument("--transfer", default="device_put", choices=["device_put", "in_jit"])
   p.add_argument("--host-memory", default=None, help="pinned_host | unpinned_host | numpy")
+  p.add_argument("--run", default=None, help="a trained run directory instead of random "
+                 "weights of --config")
+  p.add_argument("--predictor", default="gate", choices=["gate", "learned"],
+                 help="predictive policy's predictor (learned: --run's predictor.npz)")
+  p.add_argument("--temperature", type=float, default=0.8, help="--run: sampling (0 greedy)")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--no-probe", action="store_true")
   p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, < 1 minute)")
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
+  if a.run and (a.smoke or a.layers or a.overrides):
+    p.error("--run takes the run's own config: no --smoke, --layers or overrides")
+  if a.predictor == "learned" and not a.run:
+    p.error("--predictor learned needs --run (the run's predictor.npz)")
   cfg = load_config(a.config)
   if a.smoke:
     cfg = with_overrides(cfg, SMOKE)
@@ -263,7 +293,20 @@ def main(argv=None) -> dict:
                 transfer=a.transfer, rows=[])
   t0 = time.perf_counter()
   placement = host_placement(a.host_memory)
-  om = build(cfg, placement)
+  predictor, sampling, rng = "gate", None, np.random.default_rng(0)
+  if a.run:
+    om, val, predictor = from_run(a.run, placement, a.lookahead, a.predictor)
+    cfg = om.cfg
+    starts = rng.integers(0, len(val) - a.prompt, a.batch)
+    prompt = [val[s:s + a.prompt].tolist() for s in starts]
+    if a.temperature > 0:
+      from moejax.inference.sampling import SamplingConfig
+      sampling = (SamplingConfig(a.temperature, 40, 1.0), 0)
+    result.update(run=a.run, predictor=a.predictor, temperature=a.temperature,
+                  layers=cfg.model.num_layers)
+  else:
+    om = build(cfg, placement)
+    prompt = [rng.integers(0, cfg.model.vocab_size, a.prompt).tolist() for _ in range(a.batch)]
   result["build_s"] = time.perf_counter() - t0
   eb, total = om.expert_bytes, len(om.moe_layers) * om.num_experts
   result.update(expert_MB=eb / 1e6, experts_GB=total * eb / 1e9)
@@ -278,8 +321,6 @@ def main(argv=None) -> dict:
   result["h2d_GBps"] = bw / 1e9
   print(f"H2D (pinned -> device, one expert): {bw / 1e9:.2f} GB/s, "
         f"{1e3 * eb / bw:.2f} ms an expert")
-  rng = np.random.default_rng(0)
-  prompt = [rng.integers(0, cfg.model.vocab_size, a.prompt).tolist() for _ in range(a.batch)]
   kw = dict(transfer=a.transfer)
   hbm_layers = a.hbm_layers
   if not hbm_layers:
@@ -287,17 +328,19 @@ def main(argv=None) -> dict:
     per_layer = om.num_experts * eb * len(om.moe_layers) / cfg.model.num_layers
     hbm_layers = (cfg.model.num_layers if limit is None
                   else max(1, int(a.hbm_fraction * limit // per_layer)))
-  t_hbm, depths, hbm_misses = in_hbm_ms(om, hbm_layers, prompt, a.steps, a.warmup, **kw)
+  t_hbm, depths, hbm_misses = in_hbm_ms(om, hbm_layers, prompt, a.steps, a.warmup, sampling,
+                                        **kw)
   result.update(in_hbm_ms=1e3 * t_hbm, in_hbm_depths=depths, in_hbm_misses=hbm_misses)
   print(f"in-HBM decode step: {1e3 * t_hbm:.2f} ms (all experts resident; measured at "
         f"{depths} layers; {hbm_misses} misses in the timed steps)")
   print(HEADER)
   for budget in a.budgets:
     for policy in a.policies:
-      extra = dict(lookahead=a.lookahead, prefetch_width=a.prefetch_width or None) \
-          if policy == "predictive" else {}
+      extra = dict(lookahead=a.lookahead, prefetch_width=a.prefetch_width or None,
+                   predictor=predictor) if policy == "predictive" else {}
       try:
-        r = row(om, budget, policy, prompt, a.steps, a.warmup, bw, t_hbm, **kw, **extra)
+        r = row(om, budget, policy, prompt, a.steps, a.warmup, bw, t_hbm, sampling, **kw,
+                **extra)
         print(format_row(r))
       except Exception as err:  # noqa: BLE001  (one row failing, e.g. out of memory, is a row)
         r = dict(budget_pct=budget, policy=policy, error=f"{type(err).__name__}: {err}"[:300])

@@ -52,7 +52,7 @@ _SHAPE_FREE = {"moe.routing", "moe.renormalize", "moe.top_p", "moe.max_k", "moe.
                "moe.top_k", "moe.min_k", "moe.entropy_threshold", "model.dtype", "model.rope_theta", "model.norm_eps", "model.init_std",
                "model.max_seq_len", "model.clip_qkv", "model.rope_scaling", "model.rope_factor",
                "model.rope_low_freq_factor", "model.rope_high_freq_factor",
-               "model.rope_original_max_len"}
+               "model.rope_original_max_len", "inference.offload"}
 
 
 def config_mismatches(saved: dict, current: Config) -> list[str]:

@@ -38,19 +38,29 @@ def _cmd_eval(args) -> int:
 
 def _cmd_generate(args) -> int:
   import numpy as np
-  from moejax.inference import (Engine, SamplingConfig, cache_nbytes, dense_caches,
-                                end_token_ids, load_trained)
+  from moejax.checkpoint import load_run_config
+  from moejax.config import with_overrides
+  from moejax.inference import (Engine, OffloadEngine, SamplingConfig, cache_nbytes,
+                                dense_caches, end_token_ids, load_trained)
+  from moejax.inference.offload_engine import check_offload
   from moejax.kv_eval import KVSetting, load_calibration, quantized_cache_factory
   if args.kv_bits not in (2, 3, 4, 8, 16):
     raise ValueError(f"--kv-bits {args.kv_bits}: must be one of 2, 3, 4, 8, 16")
   sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)  # bad values: before loading
-  tm = load_trained(args.run_dir, args.overrides)
+  run_dir = Path(args.run_dir)
+  if (run_dir / "checkpoints").is_dir():   # else load_trained says what is missing
+    # inference.offload's budget (against one expert's size) and predictor file: before loading
+    check_offload(with_overrides(load_run_config(run_dir), args.overrides), run_dir)
+  tm = load_trained(run_dir, args.overrides)
   factory = dense_caches
   if args.kv_bits != 16:
     factory = quantized_cache_factory(KVSetting(args.kv_bits, args.kv_outliers),
-                                      load_calibration(Path(args.run_dir)))
+                                      load_calibration(run_dir))
+  offload = tm.cfg.inference.offload.enabled
+  engine = (OffloadEngine.from_trained(tm, factory, run_dir=run_dir) if offload
+            else Engine.from_trained(tm, factory))
   ids = tm.tokenizer.encode(args.prompt)
-  (new_ids,), caches = Engine.from_trained(tm, factory).generate(
+  (new_ids,), caches = engine.generate(
       [ids], args.max_new_tokens, sampling=sampling, stop_tokens=end_token_ids(tm.tokenizer),
       seed=args.seed)
   print(tm.tokenizer.decode(np.concatenate([ids, np.asarray(new_ids, np.int32)])))
@@ -58,6 +68,8 @@ def _cmd_generate(args) -> int:
   capacity = len(ids) + args.max_new_tokens
   print(f"\n[kv cache ({kind}), {capacity} tokens capacity: {cache_nbytes(caches):,} bytes]",
         file=sys.stderr)
+  if offload:
+    print(engine.stats_line(), file=sys.stderr)
   return 0
 
 
@@ -155,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
 
   g = sub.add_parser("generate", help="sample text from a run with a KV cache")
   g.add_argument("run_dir")
-  g.add_argument("overrides", nargs="*", help="e.g. kv_cache.group_size=16")
+  g.add_argument("overrides", nargs="*", help="e.g. kv_cache.group_size=16, "
+                                               "inference.offload.hbm_expert_slots=8 (experts "
+                                               "in host memory, 8 in HBM)")
   g.add_argument("--prompt", required=True)
   g.add_argument("--max-new-tokens", type=_int_at_least(1), default=200)
   g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")

@@ -15,6 +15,9 @@ from typing import Any
 import yaml
 
 from moejax.atomic import write_atomic
+from moejax.config_offload import (OFFLOAD_HOST_MEMORY, OFFLOAD_POLICIES,  # noqa: F401
+                                   OFFLOAD_PREDICTORS, OFFLOAD_TRANSFERS, OffloadConfig,
+                                   offload_problem)
 
 
 class ConfigError(ValueError):
@@ -152,6 +155,7 @@ class InferenceConfig:
   expert_bits: int = 16          # 16: float experts (trainable); 8 | 4: quantized (eval, generate)
   expert_group_size: int = 128   # one scale per this many rows of the contraction dim (D for
                                  # gate|up, F for down); 0: one scale per output channel
+  offload: OffloadConfig = OffloadConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,6 +330,10 @@ _CHOICES = {
     "kv_cache.value_axis": ("channel", "token"),
     "kv_cache.meta_dtype": ("float8_e4m3fn", "bfloat16", "float16"),
     "mesh.exchange": EXCHANGES,
+    "inference.offload.policy": OFFLOAD_POLICIES,
+    "inference.offload.predictor": OFFLOAD_PREDICTORS,
+    "inference.offload.host_memory": OFFLOAD_HOST_MEMORY,
+    "inference.offload.transfer": OFFLOAD_TRANSFERS,
 }
 
 
@@ -333,7 +341,8 @@ def validate(cfg: Config) -> None:
   """Raises ConfigError naming the first impossible setting."""
   m, e, d, t, kv = cfg.model, cfg.moe, cfg.data, cfg.train, cfg.kv_cache
   for section, obj in (("model", m), ("moe", e), ("data", d), ("train", t), ("kv_cache", kv),
-                       ("mesh", cfg.mesh), ("inference", cfg.inference)):
+                       ("mesh", cfg.mesh), ("inference", cfg.inference),
+                       ("inference.offload", cfg.inference.offload)):
     for f in dataclasses.fields(obj):
       choice = _CHOICES.get(f"{section}.{f.name}")
       value = getattr(obj, f.name)
@@ -440,6 +449,7 @@ def _validate_inference(cfg: Config) -> None:
   """Quantized experts: the widths each scale group spans must split evenly (quantize_expert_
   weights' rules: int4 packs the contraction rows in two halves, groups span a half)."""
   q = cfg.inference
+  _validate_offload(cfg)
   if q.expert_bits not in EXPERT_BITS:
     raise ConfigError(f"inference.expert_bits={q.expert_bits}: must be one of 16 (float), "
                       "8 or 4 (quantized)")
@@ -458,6 +468,14 @@ def _validate_inference(cfg: Config) -> None:
       what = f"{name}/2={span}" if q.expert_bits == 4 else f"{name}={width}"
       raise ConfigError(f"inference.expert_group_size={q.expert_group_size} must divide {what} "
                         f"(the rows one scale group spans at {q.expert_bits} bits), or be 0")
+
+
+def _validate_offload(cfg: Config) -> None:
+  L = cfg.model.num_layers
+  problem = offload_problem(cfg.inference.offload, L, sum(is_moe_layer(cfg, i) for i in range(L)),
+                            cfg.moe.num_experts)
+  if problem:
+    raise ConfigError(problem)
 
 
 def is_moe_layer(cfg: Config, layer: int) -> bool:

@@ -139,6 +139,19 @@ class OffloadModel:
     return sum(int(np.prod(s)) * np.dtype(t).itemsize for s, t in self.expert_shapes)
 
 
+def expert_bytes_of(cfg: Config) -> int:
+  """OffloadModel.expert_bytes of a model of this config in the decode layout (load.
+  decode_layout, as OffloadEngine.from_trained builds it), from shapes alone: sizes a byte
+  budget before any checkpoint is read."""
+  from moejax.inference.load import decode_layout
+  from moejax.state import build_model, split_model
+  model = nnx.eval_shape(lambda: nnx.merge(*decode_layout(*split_model(build_model(cfg, 0)))))
+  leaves = jax.tree.leaves(nnx.split(model, _is_expert, ...)[1])
+  layers = sum(b.is_moe for b in model.blocks)
+  return sum(int(np.prod(x.shape[1:])) * np.dtype(x.dtype).itemsize for x in leaves) // max(
+      layers, 1)
+
+
 # ------------------------------------------------------------------ programs ---
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -11,19 +11,24 @@ Policies (the victim is always an unpinned slot; an empty slot first):
   lfu         on demand only; evict the least frequently used (uses counted over the whole
               run, evicted or not; ties: least recently used).
   predictive  the engine also prefetches the predictor's candidates for the next layers
-              (`prefetch`); every eviction keeps what the predictor wants next: unwanted
-              experts go first (least recently used), then the wanted one wanted last.
+              (`prefetch`), and every eviction follows Belady's rule (evict what is needed
+              furthest ahead) on an estimate: decode visits the MoE layers in a cycle, so an
+              expert of layer l is next needed after its layer's distance ahead in the cycle,
+              plus one cycle for each visit it is expected to sit out (1/p - 1, p its use rate
+              at its layer's visits so far; for a wanted expert, at least the predictor's
+              precision so far). LRU is the worst order for such a cycle: it evicts the
+              layer needed next. A prefetch evicts only what is needed later than itself.
 
 `acquire` pins the experts one experts pass needs (a pass never evicts its own); `release`
 unpins them once the pass is dispatched. A prefetch only ever takes an empty or unwanted slot,
-so it never evicts a pinned expert or one wanted sooner than itself.
+so it never evicts a pinned expert or one needed sooner than itself.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Iterable
 
-POLICIES = ("lru", "lfu", "predictive")
+from moejax.config import OFFLOAD_POLICIES as POLICIES
 Key = tuple[int, int]   # (model layer, expert)
 
 
@@ -60,7 +65,11 @@ class OffloadStats:
 
 
 class OffloadCache:
-  def __init__(self, num_slots: int, policy: str, expert_bytes: int = 0):
+  """layers: the MoE layers in visiting order (the predictive policy's cycle; default: those
+  seen so far); use_prior: an expert's use rate before its layer is visited (top_k / E)."""
+
+  def __init__(self, num_slots: int, policy: str, expert_bytes: int = 0,
+               layers: Iterable[int] = (), use_prior: float = 0.25):
     if policy not in POLICIES:
       raise ValueError(f"offload policy {policy!r}: choose one of {', '.join(POLICIES)}")
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
@@ -75,6 +84,29 @@ class OffloadCache:
     self.pending_prefetches: set[Key] = set()   # prefetched, not yet hit
     self.clock = 0
     self.stats = OffloadStats(expert_bytes)
+    self.use_prior = use_prior
+    self.visits: dict[int, int] = {}      # layer -> visits (forwards that reached it)
+    self.current: int | None = None       # the layer visited last
+    self._order: list[int] = sorted(set(layers))
+    self.predicted = self.predicted_used = 0    # wanted keys whose layer came / were used
+    self._due: set[Key] = set()                 # wanted keys of the layer being visited
+
+  def visit(self, layer: int) -> None:
+    """The engine enters MoE layer `layer` (once a forward, before its passes)."""
+    self.current = layer
+    self.visits[layer] = self.visits.get(layer, 0) + 1
+    self._see(layer)
+    self._due = {k for k in self.wanted if k[0] == layer}
+    self.predicted += len(self._due)
+
+  @property
+  def precision(self) -> float:
+    """Share of wanted experts used when their layer came (Laplace-smoothed)."""
+    return (self.predicted_used + 1) / (self.predicted + 2)
+
+  def _see(self, layer: int) -> None:
+    if layer not in self._order:
+      self._order = sorted(self._order + [layer])
 
   # ------------------------------------------------------------ demand ---
 
@@ -87,9 +119,15 @@ class OffloadCache:
     self.pinned.update(keys)
     loads = []
     for key in keys:
+      self._see(key[0])
+      if self.current is None:
+        self.current = key[0]
       self.clock += 1
       self.stats.uses += 1
       self.count[key] = self.count.get(key, 0) + 1
+      if key in self._due:
+        self._due.discard(key)
+        self.predicted_used += 1
       if key in self.slot_of:
         self.stats.hits += 1
         if key in self.pending_prefetches:
@@ -111,6 +149,7 @@ class OffloadCache:
     self.wanted = {}
     for key in ranked:
       self.wanted.setdefault(key, len(self.wanted))
+      self._see(key[0])
 
   def prefetch(self, ranked: Iterable[Key]) -> list[tuple[Key, int]]:
     """want(ranked), then the loads of the wanted experts not resident, in rank order, as long
@@ -120,7 +159,7 @@ class OffloadCache:
     for key in self.wanted:
       if key in self.slot_of:
         continue
-      slot = self._victim(prefetch=True)
+      slot = self._victim(prefetch=True, incoming=key)
       if slot is None:
         break
       self.clock += 1
@@ -133,7 +172,21 @@ class OffloadCache:
 
   # ---------------------------------------------------------- eviction ---
 
-  def _victim(self, prefetch: bool) -> int | None:
+  def _distance(self, layer: int) -> int:
+    """Layer visits until `layer`'s next one: 1 for the next layer in the cycle, n for the
+    current one."""
+    n = len(self._order)
+    cur = self._order.index(self.current) if self.current in self._order else -1
+    return (self._order.index(layer) - cur - 1) % n + 1
+
+  def next_use(self, key: Key) -> float:
+    """Predictive: the expected layer visits until `key` is used (module doc)."""
+    p = (self.count.get(key, 0) + self.use_prior) / (self.visits.get(key[0], 0) + 1)
+    if key in self.wanted:
+      p = max(p, self.precision)
+    return self._distance(key[0]) + len(self._order) * (1 / min(p, 1.0) - 1)
+
+  def _victim(self, prefetch: bool, incoming: Key | None = None) -> int | None:
     free = [s for s, k in enumerate(self.key_of) if k is None]
     if free:
       return free[0]
@@ -145,12 +198,16 @@ class OffloadCache:
         return None
       raise RuntimeError("every slot is pinned")   # acquire's size check rules this out
     if self.policy == "lru":
-      order = lambda k: self.last_use[k]
-    elif self.policy == "lfu":
-      order = lambda k: (self.count.get(k, 0), self.last_use[k])
-    else:   # unwanted first by recency, then the wanted one wanted last
-      order = lambda k: ((1, -self.wanted[k]) if k in self.wanted else (0, self.last_use[k]))
-    return self.slot_of[min(keys, key=order)]
+      return self.slot_of[min(keys, key=lambda k: self.last_use[k])]
+    if self.policy == "lfu":
+      return self.slot_of[min(keys, key=lambda k: (self.count.get(k, 0), self.last_use[k]))]
+    # predictive: needed furthest ahead; ties: unwanted before wanted, the wanted one wanted
+    # last, the oldest
+    victim = max(keys, key=lambda k: (self.next_use(k), k not in self.wanted,
+                                      self.wanted.get(k, 0), -self.last_use[k]))
+    if incoming is not None and self.next_use(victim) <= self.next_use(incoming):
+      return None   # a prefetch never evicts what is needed no later than itself
+    return self.slot_of[victim]
 
   def _place(self, key: Key, slot: int) -> int:
     old = self.key_of[slot]

@@ -28,24 +28,74 @@ Staged experts are device memory beyond the slots: at most the prefetches in fli
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.config import OFFLOAD_TRANSFERS as TRANSFERS
+from moejax.config import Config, ConfigError, is_moe_layer
 from moejax.inference import offload as off
+from moejax.inference import prefetch
 from moejax.inference.generate import CacheFactory, dense_caches, pad_prompts
+from moejax.inference.load import TrainedModel, decode_layout
 from moejax.inference.offload_cache import OffloadCache, OffloadStats
 from moejax.inference.routing_trace import RoutingTrace
 from moejax.inference.sampling import SamplingConfig
 from moejax.model import routing
 
-TRANSFERS = ("device_put", "in_jit")
 
 
 def _is_int(x) -> bool:
   return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def offload_slots(cfg: Config) -> int | None:
+  """The HBM slots inference.offload asks for (None: offload off), from shapes alone, so a
+  budget below one expert is refused before any checkpoint is read. A budget above every
+  expert gives every expert a slot (it is a ceiling)."""
+  o = cfg.inference.offload
+  if not o.enabled:
+    return None
+  if o.hbm_expert_slots:
+    return o.hbm_expert_slots
+  eb = off.expert_bytes_of(cfg)
+  if o.hbm_budget_bytes < eb:
+    bits = cfg.inference.expert_bits
+    kind = cfg.model.dtype if bits == 16 else f"int{bits} + scales"
+    raise ConfigError(f"inference.offload.hbm_budget_bytes={o.hbm_budget_bytes:,} holds no "
+                      f"expert: one expert (d_model {cfg.model.d_model} x expert_hidden "
+                      f"{cfg.moe.expert_hidden}, {kind}) is {eb:,} bytes; the HBM pool needs "
+                      "at least 1 slot")
+  total = sum(is_moe_layer(cfg, i) for i in range(cfg.model.num_layers)) * cfg.moe.num_experts
+  return min(o.hbm_budget_bytes // eb, total)
+
+
+def _learned_distances(cfg: Config) -> list[int]:
+  """The lookahead distances a learned predictor must hold for inference.offload.lookahead:
+  every d up to it with a pair (the engine prefetches each MoE layer 1..d ahead)."""
+  return [d for d in range(1, cfg.inference.offload.lookahead + 1)
+          if prefetch.layer_pairs(cfg, d)]
+
+
+def check_offload(cfg: Config, run_dir: str | Path | None = None) -> int | None:
+  """offload_slots, and for predictor learned that run_dir has a predictor file: what can be
+  refused before the weights are read."""
+  slots = offload_slots(cfg)
+  o = cfg.inference.offload
+  if slots is None or o.predictor != "learned":   # (config: learned needs policy predictive)
+    return slots
+  if run_dir is None:
+    raise ValueError("inference.offload.predictor=learned reads RUN_DIR/predictor.npz: pass "
+                     "run_dir")
+  path = Path(run_dir) / prefetch.PREDICTOR_FILE
+  if not path.is_file():
+    raise FileNotFoundError(f"{path}: no learned predictor (inference.offload.predictor="
+                            f"learned); fit one: moejax train-predictor {run_dir} --lookahead "
+                            f"{' '.join(map(str, _learned_distances(cfg)))}")
+  return slots
 
 
 class OffloadEngine:
@@ -80,7 +130,8 @@ class OffloadEngine:
     if _is_int(slots) and slots > total:
       raise ValueError(f"hbm_expert_slots={slots}: more than the {total} experts "
                        f"({len(om.moe_layers)} MoE layers x {om.num_experts}); at most {total}")
-    self.cache = OffloadCache(slots, policy, om.expert_bytes)   # refuses slots < 1
+    self.cache = OffloadCache(slots, policy, om.expert_bytes, layers=om.moe_layers,
+                              use_prior=routing.slots_per_token(om.cfg.moe) / om.num_experts)
     if transfer not in TRANSFERS:
       raise ValueError(f"transfer {transfer!r}: choose one of {', '.join(TRANSFERS)}")
     if transfer == "in_jit" and om.placement is None:
@@ -109,6 +160,43 @@ class OffloadEngine:
     self.gates = {l: self._gates(self.dsts[l]) if isinstance(predictor, str) else ()
                   for l in range(L)}
     self.reset_stats()
+
+  @classmethod
+  def from_trained(cls, tm: TrainedModel, cache_factory: CacheFactory = dense_caches, *,
+                   run_dir: str | Path | None = None, record: bool = False) -> "OffloadEngine":
+    """The engine tm.cfg.inference.offload describes, on tm's weights in the decode layout
+    Engine runs (so the same tokens). predictor learned: run_dir's predictor.npz, fit for
+    every distance up to lookahead (moejax train-predictor)."""
+    o, cfg = tm.cfg.inference.offload, tm.cfg
+    slots = check_offload(cfg, run_dir)
+    if slots is None:
+      raise ConfigError("inference.offload is off: set inference.offload.hbm_expert_slots "
+                        "or inference.offload.hbm_budget_bytes")
+    predictor: Any = "gate"
+    if o.predictor == "learned":   # check_offload found the file
+      predictor = prefetch.load_predictor(Path(run_dir), tm, _learned_distances(cfg))[0]
+    placement = off.host_placement(None if o.host_memory == "auto" else o.host_memory)
+    om = off.OffloadModel.from_split(cfg, *decode_layout(tm.graphdef, tm.params, tm.buffers),
+                                     placement)
+    return cls(om, slots=slots, policy=o.policy, lookahead=o.lookahead,
+               prefetch_width=o.prefetch_width or None, predictor=predictor,
+               transfer=o.transfer, cache_factory=cache_factory, record=record)
+
+  def stats_line(self) -> str:
+    """One line on what the generate calls since reset_stats() cost, decode per token."""
+    pre, dec = self.stats["prefill"], self.stats["decode"]
+    total = len(self.om.moe_layers) * self.om.num_experts
+    line = (f"[expert offload ({self.policy}, {self.slots} of {total} experts in HBM, "
+            f"{self.om.expert_bytes:,} bytes each): ")
+    if dec.tokens:
+      n = dec.tokens
+      line += (f"decode hit rate {dec.hit_rate:.1%}, {dec.misses / n:.2f} misses and "
+               f"{dec.bytes_h2d / n:,.0f} bytes host->device per token")
+      if self.policy == "predictive":
+        line += f", {dec.prefetches} prefetched ({dec.prefetch_used} used)"
+    else:
+      line += "no decode step"
+    return line + f"; prefill {pre.misses} misses, {pre.bytes_h2d:,} bytes]"
 
   def reset_stats(self) -> None:
     eb = self.om.expert_bytes
@@ -214,6 +302,7 @@ class OffloadEngine:
     expand = off.contracts_over_experts(d.moe.expert_impl, self.platform)
     groups = [need[i:i + self.slots] for i in range(0, len(need), self.slots)] or [[]]
     acc = shared_TD
+    self.cache.visit(l)
     for g, group in enumerate(groups):
       slots, loads = self.cache.acquire([(l, e) for e in group])
       for k, s in loads:

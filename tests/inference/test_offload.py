@@ -237,23 +237,56 @@ def test_lru_and_lfu_evict_differently():
   assert _misses("lfu", [a, a, a, b, c, b])[0] == 4
 
 
-def test_predictive_keeps_what_the_predictor_wants_then_lru():
-  a, b, c, d = (0, 0), (0, 1), (0, 2), (1, 0)
-  cache = OffloadCache(2, "predictive")
-  for key in (a, b):
-    cache.acquire([key])
-    cache.release()
-  cache.want([a])                     # a is older, but wanted: c evicts b
-  cache.acquire([c])
+def _visit(cache, key):
+  cache.visit(key[0])
+  slots = cache.acquire([key])
   cache.release()
-  assert set(cache.slot_of) == {a, c}
-  # A prefetch takes only an unwanted slot, in rank order, and never the pinned ones.
-  cache.acquire([c])
-  assert cache.prefetch([d, a]) == []          # a resident, c pinned, d wanted: no room
+  return slots
+
+
+def test_predictive_evicts_the_layer_needed_last_lru_the_one_needed_next():
+  # Layers 0, 1, 2 visited in a cycle, 2 slots: at layer 2, a (layer 0) is needed next and b
+  # (layer 1) after it. LRU evicts a, Belady's rule (predictive) evicts b.
+  a, b, c = (0, 0), (1, 0), (2, 0)
+  for policy, kept in (("lru", b), ("predictive", a)):
+    cache = OffloadCache(2, policy, layers=[0, 1, 2])
+    for key in (a, b, c):
+      _visit(cache, key)
+    assert set(cache.slot_of) == {kept, c}, policy
+
+
+def test_predictive_keeps_the_expert_used_more_often():
+  # Layer 0's experts x (used every visit) and y (used once) against layer 1's z: at equal
+  # distance the rarely used one goes.
+  x, y, z = (0, 0), (0, 1), (1, 0)
+  cache = OffloadCache(2, "predictive", layers=[0, 1])
+  for _ in range(3):
+    _visit(cache, x)
+    cache.visit(1)                     # layer 1 visited, nothing routed there yet
+  cache.visit(0)
+  cache.acquire([x, y])
   cache.release()
-  assert cache.prefetch([d, a]) == [(d, cache.slot_of[d])] and set(cache.slot_of) == {a, d}
+  _visit(cache, z)
+  assert set(cache.slot_of) == {x, z}
+  assert cache.next_use(y) > cache.next_use(x)
+
+
+def test_predictive_prefetch_takes_only_what_is_needed_later():
+  a, b, c, d = (0, 0), (1, 0), (2, 0), (3, 0)
+  cache = OffloadCache(2, "predictive", layers=[0, 1, 2, 3])
+  _visit(cache, a)
+  _visit(cache, b)
+  # At layer 1, c (layer 2) is wanted: it takes b's slot (b's layer comes again last).
+  assert cache.prefetch([c]) == [(c, cache.slot_of[c])] and set(cache.slot_of) == {a, c}
+  _visit(cache, c)
+  assert cache.stats.prefetches == cache.stats.prefetch_used == 1 and cache.stats.misses == 2
+  # At layer 3, d evicts c (needed last); d is pinned, and a (layer 0, next) is needed sooner
+  # than the wanted b (layer 1): the prefetch finds no slot.
+  cache.visit(3)
   cache.acquire([d])
-  assert cache.stats.prefetch_used == 1 and cache.stats.prefetches == 1
+  assert set(cache.slot_of) == {a, d}
+  assert cache.prefetch([b]) == [] and set(cache.slot_of) == {a, d}
+  cache.release()
 
 
 class _Oracle:
