@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 # The pool is most of the card at a 75 % budget: let the allocator have it (XLA's default
 # preallocates 75 % of the memory).
@@ -87,7 +88,7 @@ def from_run(run_dir: str, placement, lookahead: int, predictor: str):
   chosen = predictor
   if predictor == "learned":
     chosen = load_predictor(run_dir, tm, list(range(1, lookahead + 1)))[0]
-  return om, load_data(tm.cfg, run_dir).val, chosen
+  return om, load_data(tm.cfg, Path(run_dir)).val, chosen
 
 
 def _ready(x):
@@ -302,7 +303,7 @@ def main(argv=None) -> dict:
     if a.temperature > 0:
       from moejax.inference.sampling import SamplingConfig
       sampling = (SamplingConfig(a.temperature, 40, 1.0), 0)
-    result.update(run=a.run, predictor=a.predictor, temperature=a.temperature,
+    result.update(run=a.run, config=None, predictor=a.predictor, temperature=a.temperature,
                   layers=cfg.model.num_layers)
   else:
     om = build(cfg, placement)

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -36,7 +37,7 @@ def decode_routing(run_dir: str, tokens: int, prompt_len: int, seed: int):
   """[(layer, experts used)] of each decode step's MoE layers in order, and the model."""
   tm = load_trained(run_dir)
   om = OffloadModel.from_split(tm.cfg, tm.graphdef, tm.params, tm.buffers, None)
-  val = load_data(tm.cfg, run_dir).val
+  val = load_data(tm.cfg, Path(run_dir)).val
   start = int(np.random.default_rng(seed).integers(0, len(val) - prompt_len))
   eng = OffloadEngine(om, slots=len(om.moe_layers) * om.num_experts, record=True)
   eng.generate([val[start:start + prompt_len].tolist()], tokens,

@@ -44,6 +44,7 @@ DEFAULT_LOOKAHEAD = (1, 2, 3)
 DEFAULT_RIDGE = 1e-3
 # Settings that do not change which experts a token picks: left out of the model digest.
 _ROUTING_NEUTRAL = ("expert_impl", "aux_loss_coef", "z_loss_coef", "bias_update_rate")
+_MODEL_NEUTRAL = ("scan_layers",)   # how the forward is compiled, not what it computes
 
 
 # ------------------------------------------------------------------ pairs ---
@@ -208,7 +209,8 @@ def model_digest(tm) -> str:
   h = hashlib.sha256()
   c = tm.cfg.to_dict()
   moe = {k: v for k, v in c["moe"].items() if k not in _ROUTING_NEUTRAL}
-  h.update(json.dumps({"model": c["model"], "moe": moe}, sort_keys=True).encode())
+  model = {k: v for k, v in c["model"].items() if k not in _MODEL_NEUTRAL}
+  h.update(json.dumps({"model": model, "moe": moe}, sort_keys=True).encode())
   for i, p in sorted(LookaheadGate.from_model(tm).layers.items()):
     for name in ("scale_D", "router_DE", "bias_E"):
       if p[name] is not None:
