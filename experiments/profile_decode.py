@@ -15,50 +15,20 @@ import collections
 import glob
 import json
 import os
-import re
+import sys
 import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
-from jax.profiler import ProfileData
 
-from moejax.config import load_config, with_overrides
-from moejax.inference.bench_decode import Case, _decode_program, case_config, random_caches
-from moejax.inference.load import decode_layout
-from moejax.state import build_model, split_model
-
-
-def gpu_kernels(xplane_path: str):
-  """(name, hlo_op, long_name, start_ns, duration_ns) of every kernel on GPU 0's streams."""
-  data = ProfileData.from_file(xplane_path)
-  out = []
-  for plane in data.planes:
-    if not plane.name.startswith("/device:GPU:0"):
-      continue
-    for line in plane.lines:
-      if not line.name.startswith("Stream"):
-        continue
-      for ev in line.events:
-        stats = dict(ev.stats)
-        out.append((ev.name, stats.get("hlo_op", ""), str(stats.get("long_name", ""))[:160],
-                    ev.start_ns, ev.duration_ns))
-  return out
-
-
-def fusion_sources(hlo_text: str) -> dict[str, str]:
-  """Kernel (instruction) name -> its jax op path and source line, from the optimized HLO's
-  metadata: what a fusion called `loop_multiply_fusion` computes."""
-  out = {}
-  for line in hlo_text.splitlines():
-    m = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = .*?(?:fusion|custom-call)\(", line)
-    if not m:
-      continue
-    op = re.search(r'op_name="([^"]*)"', line)
-    src = re.search(r'source_file="([^"]*)" source_line=(\d+)', line)
-    where = f"{os.path.basename(src.group(1))}:{src.group(2)}" if src else ""
-    out[m.group(1)] = f"{op.group(1).split('/')[-1] if op else ''} {where}".strip()
-  return out
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _trace import fusion_sources, gpu_kernels  # noqa: E402
+from moejax.config import load_config, with_overrides  # noqa: E402
+from moejax.inference.bench_decode import (Case, _decode_program, case_config,  # noqa: E402
+                                           random_caches)
+from moejax.inference.load import decode_layout  # noqa: E402
+from moejax.state import build_model, split_model  # noqa: E402
 
 
 def main() -> None:

@@ -49,10 +49,11 @@ def _abstract(x):
 _SHAPE_SECTIONS = ("model", "moe", "inference")
 _SHAPE_FREE = {"moe.routing", "moe.renormalize", "moe.top_p", "moe.max_k", "moe.capacity_factor",
                "moe.expert_impl", "moe.aux_loss_coef", "moe.z_loss_coef", "moe.bias_update_rate",
-               "moe.top_k", "moe.min_k", "moe.entropy_threshold", "model.dtype", "model.rope_theta", "model.norm_eps", "model.init_std",
-               "model.max_seq_len", "model.clip_qkv", "model.rope_scaling", "model.rope_factor",
+               "moe.top_k", "moe.min_k", "moe.entropy_threshold", "model.dtype",
+               "model.rope_theta", "model.norm_eps", "model.init_std", "model.max_seq_len",
+               "model.clip_qkv", "model.rope_scaling", "model.rope_factor",
                "model.rope_low_freq_factor", "model.rope_high_freq_factor",
-               "model.rope_original_max_len", "inference.offload"}
+               "model.rope_original_max_len", "model.scan_layers", "inference.offload"}
 
 
 def config_mismatches(saved: dict, current: Config) -> list[str]:

@@ -54,6 +54,8 @@ class ModelConfig:
   dtype: str = "float32"         # compute dtype: float32 | bfloat16
   param_dtype: str = "float32"   # parameter storage dtype
   init_std: float = 0.02
+  scan_layers: bool = False      # training forward: runs of same-structure blocks as one
+                                 # lax.scan (one compiled block per run); layout unchanged
 
 
 # moe.routing modes that pick a per-token number of experts, in K = max_k static slots.
@@ -121,6 +123,8 @@ class TrainConfig:
   keep_checkpoints: int = 3
   out_dir: str = "runs/tiny"
   tensorboard: bool = True
+  remat: str = "none"            # none | experts (recompute the routed experts' FFN in the
+                                 # backward) | full (recompute each block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +147,10 @@ class MeshConfig:
   model: int = 1
   fsdp: bool = False             # also shard non-expert weights (embed dim) along `data`
   exchange: str = "auto"         # dropless EP token exchange: auto | ragged | padded
+
+
+# train.remat: what the training backward recomputes instead of storing (model/transformer.py).
+REMATS = ("none", "experts", "full")
 
 
 # inference.expert_bits: 16 keeps the training layout (w_gate_EDF, w_up_EDF, w_down_EFD);
@@ -330,6 +338,7 @@ _CHOICES = {
     "kv_cache.value_axis": ("channel", "token"),
     "kv_cache.meta_dtype": ("float8_e4m3fn", "bfloat16", "float16"),
     "mesh.exchange": EXCHANGES,
+    "train.remat": REMATS,
     "inference.offload.policy": OFFLOAD_POLICIES,
     "inference.offload.predictor": OFFLOAD_PREDICTORS,
     "inference.offload.host_memory": OFFLOAD_HOST_MEMORY,

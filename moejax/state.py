@@ -104,6 +104,17 @@ def init_state(cfg: Config, model: Transformer | None = None) -> tuple[Any, Trai
   return graphdef, TrainState(params, buffers, opt_state, jnp.zeros((), jnp.int32), rng)
 
 
+def abstract_state(cfg: Config, ep: ExpertParallel | None = None) -> tuple[Any, TrainState]:
+  """init_state's (graphdef, TrainState) with jax.ShapeDtypeStruct leaves: lowers and
+  compiles a train step of any size without allocating the model."""
+  graphdef, params, buffers = split_model(
+      nnx.eval_shape(lambda: build_model(cfg, cfg.train.seed, ep)))
+  opt_state = jax.eval_shape(make_optimizer(cfg).init, params)
+  rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+  return graphdef, TrainState(params, buffers, opt_state,
+                              jax.ShapeDtypeStruct((), jnp.int32), rng)
+
+
 def lm_loss(logits_BTV, targets_BT):
   """Mean next-token cross-entropy in nats (float32)."""
   return optax.softmax_cross_entropy_with_integer_labels(

@@ -6,9 +6,16 @@ Routed expert weights, by inference.expert_bits:
   8 | 4 w_gate_up_{codes,scales}: gate and up fused to [E, D, 2F] (gate first), and
         w_down_{codes,scales} [E, F, D], each the codes and scales of a
         pallas_kernels.QuantizedExpertWeights (whose layout the names leave to it).
+
+remat_experts (train.remat=experts, training forward only): the backward recomputes the
+routed experts' FFN instead of storing its [rows, D] / [rows, F] intermediates. On one
+device that is a jax.checkpoint around expert_ffn. Expert-parallel, routing, exchanges and
+experts are one shard_map: it is checkpointed whole, saving the exchanges' outputs, so the
+backward recomputes the routing (one [T, E] matmul) and the experts, not the all_to_alls.
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import chex
@@ -26,6 +33,11 @@ from moejax.model.layers import SwiGLU, normal_init
 
 if TYPE_CHECKING:   # type only: parallel imports the model, not the reverse
   from moejax.parallel.dispatch import ExpertParallel
+
+
+def _save_exchanges(prim, *_, **__) -> bool:
+  """jax.checkpoint policy of the expert-parallel remat: keep only what crossed devices."""
+  return prim.name in ("all_to_all", "ragged_all_to_all")
 
 
 class RouterBias(nnx.Variable):
@@ -109,9 +121,9 @@ class MoE(nnx.Module):
       self.shared_gate_D = nnx.Param(init(rngs.params(), (d_model,), param_dtype))
     self.dtype = dtype
 
-  def __call__(self, x_BTD):
+  def __call__(self, x_BTD, remat_experts: bool = False):
     """Returns (y_BTD, stats): stats holds aux losses and per-expert load counts
-    (routing.load_stats)."""
+    (routing.load_stats). remat_experts: see the module doc."""
     chex.assert_rank(x_BTD, 3)
     B, T, D = x_BTD.shape
     x_TD = x_BTD.reshape(B * T, D)
@@ -119,12 +131,15 @@ class MoE(nnx.Module):
       c = lambda p: p[...].astype(self.dtype)
       weights = c(self.w_gate_EDF), c(self.w_up_EDF), c(self.w_down_EFD)
       bias_E = None if self.bias_E is None else self.bias_E[...]
-      y_TD, stats = self.ep(self.cfg, x_TD, self.router_DE[...], bias_E, *weights)
+      ep = functools.partial(self.ep, self.cfg)
+      if remat_experts:
+        ep = jax.checkpoint(ep, policy=_save_exchanges)
+      y_TD, stats = ep(x_TD, self.router_DE[...], bias_E, *weights)
     else:
       r = self.route(x_TD)
       # Dropless: a token picks an expert at most once, so T slots per expert always suffice.
       cap = routing.expert_capacity(self.cfg, B * T) or B * T
-      y_TD = self.experts(x_TD, r, cap)
+      y_TD = self.experts(x_TD, r, cap, remat=remat_experts)
       stats = routing.load_stats(routing.stat_sums(r), B * T)
     shared_TD = self.shared_out(x_TD)
     if shared_TD is not None:
@@ -147,13 +162,15 @@ class MoE(nnx.Module):
       shared_TD = gate_T[:, None] * shared_TD
     return shared_TD
 
-  def experts(self, x_TD, r: routing.Routing, capacity: int):
-    """The routed experts' weighted sum for the routing r: [T, D]."""
+  def experts(self, x_TD, r: routing.Routing, capacity: int, remat: bool = False):
+    """The routed experts' weighted sum for the routing r: [T, D]. remat: recomputed in the
+    backward from its inputs (float experts)."""
     args = (self.cfg.expert_impl, x_TD, r.expert_TK, r.weight_TK, r.keep_TK)
     if self.expert_bits == 16:
       c = lambda p: p[...].astype(self.dtype)
-      return expert_ffn(*args, c(self.w_gate_EDF), c(self.w_up_EDF), c(self.w_down_EFD),
-                        capacity=capacity)
+      ffn = functools.partial(expert_ffn, capacity=capacity)
+      return (jax.checkpoint(ffn, static_argnums=0) if remat else ffn)(
+          *args, c(self.w_gate_EDF), c(self.w_up_EDF), c(self.w_down_EFD))
     q = lambda codes, scales: QuantizedExpertWeights(
         codes[...], scales[...], self.expert_bits, self.expert_group_size or None)
     return quantized_expert_ffn(*args, q(self.w_gate_up_codes, self.w_gate_up_scales),
