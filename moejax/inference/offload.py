@@ -57,14 +57,27 @@ def host_placement(kind: str | None = None):
   return jax.sharding.SingleDeviceSharding(dev, memory_kind=kind)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class BlockDef:
-  """A block's static structure: the jit key of its programs (equal for same-shaped layers)."""
+  """A block's static structure: the jit key of its programs (equal for same-shaped layers).
+  Hashed once: every program call looks it up, and hashing a graphdef walks the module."""
   graphdef: Any
   expert_treedef: Any     # the routed experts' State structure (no leaves for a dense block)
   is_moe: bool
   moe: MoEConfig
   norm_eps: float
+
+  def _key(self) -> tuple:
+    return (self.graphdef, self.expert_treedef, self.is_moe, self.moe, self.norm_eps)
+
+  def __hash__(self) -> int:
+    if "_hash" not in self.__dict__:
+      object.__setattr__(self, "_hash", hash(self._key()))
+    return self.__dict__["_hash"]
+
+  def __eq__(self, other) -> bool:
+    return self is other or (isinstance(other, BlockDef) and hash(self) == hash(other)
+                             and self._key() == other._key())
 
 
 def merge_block(d: BlockDef, state, experts=None):
