@@ -42,21 +42,24 @@ def _cmd_generate(args) -> int:
   from moejax.config import with_overrides
   from moejax.inference import (Engine, OffloadEngine, SamplingConfig, cache_nbytes,
                                 dense_caches, end_token_ids, load_trained)
-  from moejax.inference.offload_engine import check_offload
+  from moejax.inference.offload_engine import check_offload, offload_host_sharding
   from moejax.kv_eval import KVSetting, load_calibration, quantized_cache_factory
   if args.kv_bits not in (2, 3, 4, 8, 16):
     raise ValueError(f"--kv-bits {args.kv_bits}: must be one of 2, 3, 4, 8, 16")
   sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)  # bad values: before loading
   run_dir = Path(args.run_dir)
+  offload = False
   if (run_dir / "checkpoints").is_dir():   # else load_trained says what is missing
+    cfg = with_overrides(load_run_config(run_dir), args.overrides)
     # inference.offload's budget (against one expert's size) and predictor file: before loading
-    check_offload(with_overrides(load_run_config(run_dir), args.overrides), run_dir)
-  tm = load_trained(run_dir, args.overrides)
+    offload = check_offload(cfg, run_dir) is not None
+  # Offloaded experts are restored straight into host memory: they need not fit in HBM.
+  tm = load_trained(run_dir, args.overrides,
+                    expert_sharding=offload_host_sharding(cfg) if offload else None)
   factory = dense_caches
   if args.kv_bits != 16:
     factory = quantized_cache_factory(KVSetting(args.kv_bits, args.kv_outliers),
                                       load_calibration(run_dir))
-  offload = tm.cfg.inference.offload.enabled
   engine = (OffloadEngine.from_trained(tm, factory, run_dir=run_dir) if offload
             else Engine.from_trained(tm, factory))
   ids = tm.tokenizer.encode(args.prompt)

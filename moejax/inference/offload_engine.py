@@ -98,6 +98,13 @@ def check_offload(cfg: Config, run_dir: str | Path | None = None) -> int | None:
   return slots
 
 
+def offload_host_sharding(cfg: Config) -> jax.sharding.Sharding | None:
+  """Where inference.offload.host_memory keeps the experts: a host memory kind's sharding,
+  or None for numpy arrays."""
+  kind = cfg.inference.offload.host_memory
+  return off.host_placement(None if kind == "auto" else kind)
+
+
 class OffloadEngine:
   """Engine.generate's contract with offloaded experts.
 
@@ -175,7 +182,7 @@ class OffloadEngine:
     predictor: Any = "gate"
     if o.predictor == "learned":   # check_offload found the file
       predictor = prefetch.load_predictor(Path(run_dir), tm, _learned_distances(cfg))[0]
-    placement = off.host_placement(None if o.host_memory == "auto" else o.host_memory)
+    placement = offload_host_sharding(cfg)
     om = off.OffloadModel.from_split(cfg, *decode_layout(tm.graphdef, tm.params, tm.buffers),
                                      placement)
     return cls(om, slots=slots, policy=o.policy, lookahead=o.lookahead,

@@ -159,3 +159,20 @@ def test_bad_offload_budget_is_refused_before_loading(run, capsys, monkeypatch):
   assert cli.main(["generate", str(run), OFF + "hbm_expert_slots=2", OFF + "policy=predictive",
                    OFF + "predictor=learned", "--prompt", "to"]) == 2
   assert "no learned predictor" in capsys.readouterr().err
+
+
+def test_offloaded_experts_are_restored_into_host_memory(run):
+  """generate with offload restores the routed experts straight into pinned host memory
+  (a model whose experts exceed HBM loads); the other weights stay on the device."""
+  import jax
+  from moejax.inference.load import is_expert_path, load_trained
+  from moejax.inference.offload import host_placement
+  tm = load_trained(run, expert_sharding=host_placement("pinned_host"))
+  kinds = {True: set(), False: set()}
+  for p, x in jax.tree_util.tree_leaves_with_path(tm.params):
+    kinds[is_expert_path(p)].add(x.sharding.memory_kind)
+  assert kinds == {True: {"pinned_host"}, False: {"device"}}
+  # The decode layout leaves host-resident experts as stored (no eager cast to the device).
+  _, params, _ = decode_layout(tm.graphdef, tm.params, tm.buffers)
+  assert {x.sharding.memory_kind for p, x in jax.tree_util.tree_leaves_with_path(params)
+          if is_expert_path(p)} == {"pinned_host"}
