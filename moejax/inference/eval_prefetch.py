@@ -14,11 +14,10 @@ import numpy as np
 
 from moejax.checkpoint import load_run_config
 from moejax.config import Config, with_overrides
-from moejax.inference.prefetch import (DEFAULT_RIDGE, PREDICTOR_FILE, Frequency, Learned,
-                                       LookaheadGate, PreviousToken, check_lookahead,
-                                       expert_frequency, fetch_sizes, layer_pairs,
-                                       load_predictor, model_digest, recall_counts,
-                                       save_predictor)
+from moejax.inference.prefetch import (
+    DEFAULT_RIDGE, PREDICTOR_FILE, Frequency, Learned, LookaheadGate, NextToken, PreviousToken,
+    check_lookahead, expert_frequency, fetch_sizes, layer_pairs, load_predictor, model_digest,
+    next_token_pairs, recall_counts, save_predictor)
 from moejax.inference.routing_trace import RoutingTrace, record_trace, trace_windows
 from moejax.model import routing
 
@@ -55,9 +54,11 @@ def fit_predictor(tm, data, lookahead: list[int], tokens: int, ridge: float
   both from one training-split trace of about `tokens` tokens."""
   trace = _trace(tm, data, "train", tokens)
   pairs = [p for d in lookahead for p in layer_pairs(tm.cfg, d)]
-  learned = Learned.fit(trace, pairs, ridge)
+  next_pairs = next_token_pairs(tm.cfg)
+  learned = Learned.fit(trace, pairs, ridge, next_pairs=next_pairs)
   meta = {"step": tm.step, "model_digest": model_digest(tm), "lookahead": lookahead,
-          "pairs": [list(p) for p in pairs], "train_tokens": trace.num_tokens, "ridge": ridge,
+          "pairs": [list(p) for p in pairs], "next_pairs": [list(p) for p in next_pairs],
+          "train_tokens": trace.num_tokens, "ridge": ridge,
           "eps": learned.eps,
           "features": "RMS-normalized (no scale) residual after the source layer's attention",
           "target": "multi-hot of the target layer's used experts (ridge regression)"}
@@ -76,10 +77,25 @@ def train_predictor_run(run_dir: str | Path, lookahead: list[int] | None = None,
   return meta, save_predictor(run_dir, learned, freq, meta)
 
 
+NEXT = "next"   # the lookahead label of the next-token rows
+
+
+def _summed(per_layer: list[dict], name: str, d, ms: list[int]) -> list[dict]:
+  out = []
+  for m in ms:
+    mine = [r for r in per_layer if r["m"] == m]
+    out.append({"predictor": name, "lookahead": d, "m": m, "layer": "all", "source_layer": None,
+                "hits": sum(r["hits"] for r in mine), "used": sum(r["used"] for r in mine)})
+  return out
+
+
 def evaluate_recall(trace: RoutingTrace, predictors: list, cfg: Config,
-                    lookahead: list[int]) -> list[dict]:
+                    lookahead: list[int], next_token: list | None = None) -> list[dict]:
   """One row per (predictor, d, m, target layer), then per (predictor, d, m) over all
-  target layers ("layer": "all": hits and used experts summed)."""
+  target layers ("layer": "all": hits and used experts summed). next_token: predictors
+  whose row-t scores at (dst, dst) rank dst's experts of token t itself as known from
+  token t - 1 (PreviousToken, Frequency, NextToken shifted by one row), scored on the rows
+  that have a previous token, as lookahead "next"."""
   ms = fetch_sizes(routing.slots_per_token(cfg.moe))
   rows = []
   for p in predictors:
@@ -92,12 +108,21 @@ def evaluate_recall(trace: RoutingTrace, predictors: list, cfg: Config,
           hits, used = recall_counts(scores_TE, trace.expert_LTK[i], trace.used_LTK[i], m)
           per_layer.append({"predictor": p.name, "lookahead": d, "m": m, "layer": dst,
                             "source_layer": src, "hits": hits, "used": used})
+      rows += per_layer + _summed(per_layer, p.name, d, ms)
+  has_prev_T = trace.position_T > 0
+  for p in next_token or []:
+    per_layer = []
+    for dst in trace.moe_layers:
+      i = trace.moe_index(dst)
+      scores_TE = p.scores(trace, dst, dst)
+      if isinstance(p, NextToken):   # row t predicts row t + 1
+        scores_TE = np.roll(scores_TE, 1, axis=0)
       for m in ms:
-        mine = [r for r in per_layer if r["m"] == m]
-        per_layer.append({"predictor": p.name, "lookahead": d, "m": m, "layer": "all",
-                          "source_layer": None, "hits": sum(r["hits"] for r in mine),
-                          "used": sum(r["used"] for r in mine)})
-      rows += per_layer
+        hits, used = recall_counts(scores_TE[has_prev_T], trace.expert_LTK[i][has_prev_T],
+                                   trace.used_LTK[i][has_prev_T], m)
+        per_layer.append({"predictor": p.name, "lookahead": NEXT, "m": m, "layer": dst,
+                          "source_layer": dst, "hits": hits, "used": used})
+    rows += per_layer + _summed(per_layer, p.name, NEXT, ms)
   for r in rows:
     r["recall"] = r["hits"] / r["used"] if r["used"] else None
   return rows
@@ -121,8 +146,10 @@ def eval_prefetch_run(run_dir: str | Path, lookahead: list[int] | None = None,
     learned, freq, meta = fit_predictor(tm, data, lookahead, tokens, DEFAULT_RIDGE)
     save_predictor(run_dir, learned, freq, meta)
   trace = _trace(tm, data, "val", tokens)
-  predictors = [LookaheadGate.from_model(tm), learned, PreviousToken(freq), freq]
-  rows = evaluate_recall(trace, predictors, cfg, lookahead)
+  previous = PreviousToken(freq)
+  predictors = [LookaheadGate.from_model(tm), learned, previous, freq]
+  next_token = ([NextToken(learned)] if learned.next_maps else []) + [previous, freq]
+  rows = evaluate_recall(trace, predictors, cfg, lookahead, next_token)
   result = {"step": tm.step, "val_tokens": trace.num_tokens, "train_tokens": meta["train_tokens"],
             "top_k": routing.slots_per_token(cfg.moe), "num_experts": cfg.moe.num_experts,
             "fetch_sizes": fetch_sizes(routing.slots_per_token(cfg.moe)),
@@ -163,7 +190,8 @@ def plot_recall(rows: list[dict], path: Path) -> Path:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   overall = [r for r in rows if r["layer"] == "all"]
-  ds = sorted({r["lookahead"] for r in overall})
+  ds = sorted({r["lookahead"] for r in overall} - {NEXT})
+  ds += [NEXT] if any(r["lookahead"] == NEXT for r in overall) else []
   names = list(dict.fromkeys(r["predictor"] for r in overall))
   fig, axes = plt.subplots(1, len(ds), figsize=(3.2 * len(ds) + 1, 3.4), squeeze=False,
                            sharey=True)
@@ -173,7 +201,7 @@ def plot_recall(rows: list[dict], path: Path) -> Path:
                    if r["lookahead"] == d and r["predictor"] == name and r["recall"] is not None)
       ax.plot(*np.array(pts).T, "o-", label=name)
     ax.set_xticks(sorted({r["m"] for r in overall}))
-    ax.set_title(f"layer L+{d} from layer L")
+    ax.set_title("layer L, next token" if d == NEXT else f"layer L+{d} from layer L")
     ax.set_xlabel("experts fetched (m)")
     ax.grid(alpha=0.3)
   axes[0][0].set_ylabel("recall of the used experts")

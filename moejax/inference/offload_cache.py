@@ -18,6 +18,10 @@ Policies (the victim is always an unpinned slot; an empty slot first):
               at its layer's visits so far; for a wanted expert, at least the predictor's
               precision so far). LRU is the worst order for such a cycle: it evicts the
               layer needed next. A prefetch evicts only what is needed later than itself.
+              `expect` gives estimates of p for the next visit of layers the token has
+              passed (a next-token predictor: prefetch.Learned.next_scores); they replace
+              the use rate until that visit. Only these can cut the bytes: the experts of
+              the layers still ahead in the token are the ones it is about to fetch anyway.
 
 `acquire` pins the experts one experts pass needs (a pass never evicts its own); `release`
 unpins them once the pass is dispatched. A prefetch only ever takes an empty or unwanted slot,
@@ -30,6 +34,7 @@ from typing import Iterable
 
 from moejax.config import OFFLOAD_POLICIES as POLICIES
 Key = tuple[int, int]   # (model layer, expert)
+MIN_EXPECTED = 0.02     # floor of an estimated p (a regression's estimate can be <= 0)
 
 
 @dataclasses.dataclass
@@ -90,6 +95,7 @@ class OffloadCache:
     self._order: list[int] = sorted(set(layers))
     self.predicted = self.predicted_used = 0    # wanted keys whose layer came / were used
     self._due: set[Key] = set()                 # wanted keys of the layer being visited
+    self.expected: dict[Key, float] = {}        # estimated p at the key's next visit
 
   def visit(self, layer: int) -> None:
     """The engine enters MoE layer `layer` (once a forward, before its passes)."""
@@ -98,6 +104,7 @@ class OffloadCache:
     self._see(layer)
     self._due = {k for k in self.wanted if k[0] == layer}
     self.predicted += len(self._due)
+    self.expected = {k: p for k, p in self.expected.items() if k[0] != layer}   # now due
 
   @property
   def precision(self) -> float:
@@ -170,6 +177,11 @@ class OffloadCache:
       loads.append((key, slot))
     return loads
 
+  def expect(self, estimates: dict[Key, float]) -> None:
+    """Estimated chances that keys are used at their layers' next visits (replacing earlier
+    estimates of the same keys; each is dropped when its layer is visited)."""
+    self.expected.update(estimates)
+
   # ---------------------------------------------------------- eviction ---
 
   def _distance(self, layer: int) -> int:
@@ -181,7 +193,10 @@ class OffloadCache:
 
   def next_use(self, key: Key) -> float:
     """Predictive: the expected layer visits until `key` is used (module doc)."""
-    p = (self.count.get(key, 0) + self.use_prior) / (self.visits.get(key[0], 0) + 1)
+    if key in self.expected:
+      p = max(self.expected[key], MIN_EXPECTED)
+    else:
+      p = (self.count.get(key, 0) + self.use_prior) / (self.visits.get(key[0], 0) + 1)
     if key in self.wanted:
       p = max(p, self.precision)
     return self._distance(key[0]) + len(self._order) * (1 / min(p, 1.0) - 1)

@@ -166,6 +166,10 @@ class OffloadEngine:
                  for l in range(L)}
     self.gates = {l: self._gates(self.dsts[l]) if isinstance(predictor, str) else ()
                   for l in range(L)}
+    self.host_predictor = not isinstance(predictor, str)
+    # A learned predictor's next-token maps from l: estimates for the layers l has passed.
+    next_maps = getattr(predictor, "next_maps", {}) if policy == "predictive" else {}
+    self.next_dsts = {l: [t for t in om.moe_layers if (l, t) in next_maps] for l in range(L)}
     self.reset_stats()
 
   @classmethod
@@ -276,11 +280,15 @@ class OffloadEngine:
     for l, d in enumerate(om.defs):
       x, h, route, used_TK, shared_TD, caches[l], scores, hidden_TD = off.attention(
           d, om.states[l], x, caches[l], positions_BT, self.gates[l])
-      used_TK, scores = jax.device_get((used_TK, scores))   # the layer's one sync
+      host_hidden = self.host_predictor and (self.dsts[l] or self.next_dsts[l])
+      used_TK, scores, hidden_TD = jax.device_get(   # the layer's one sync
+          (used_TK, scores, hidden_TD if host_hidden else None))
       if d.is_moe:
         if self.record:
           self.routing_log[(int(positions_BT[0, 0]), l)] = _used_TE(used_TK, om.num_experts)
         x = self._experts(l, d, x, h, route, used_TK, shared_TD)
+      if self.next_dsts[l]:
+        self._expect_next(l, hidden_TD, positions_BT.shape)
       if self.dsts[l]:
         if scores is None:
           scores = self._host_scores(l, hidden_TD, positions_BT)
@@ -360,6 +368,19 @@ class OffloadEngine:
       ranked += [(dst, int(top[i])) for i in np.argsort(-best, kind="stable")]
     for k, s in self.cache.prefetch(ranked):
       self._load(k, s)
+
+  def _expect_next(self, src, hidden_TD, shape_BT) -> None:
+    """The cache's estimates, for every MoE layer at or before src, that the next forward
+    (each sequence's token after its last one here) uses each expert there: one minus the
+    chance that no sequence does, from the next-token maps' per-sequence estimates."""
+    B, T = shape_BT
+    last_BD = np.asarray(hidden_TD).reshape(B, T, -1)[:, -1]
+    estimates = {}
+    for dst in self.next_dsts[src]:
+      p_BE = np.clip(self.predictor.next_scores(last_BD, src, dst), 0.0, 1.0)
+      p_E = 1.0 - np.prod(1.0 - p_BE, axis=0)
+      estimates.update({(dst, e): float(p) for e, p in enumerate(p_E)})
+    self.cache.expect(estimates)
 
   def _host_scores(self, src, hidden_TD, positions_BT) -> list[np.ndarray]:
     """A host predictor's scores on a RoutingTrace of this forward (hidden_LTD[src] filled)."""

@@ -16,6 +16,10 @@ expert index), for src = L and dst = L + d over a RoutingTrace (routing_trace.py
   learned    per (src, dst) an affine map of src's RMS-normalized FFN input (no scale) to E
              scores, fit by ridge regression (closed form, centered, bias unpenalized) to
              the multi-hot of dst's used experts on a training-split trace.
+  learned, next token  per (src, dst) with dst <= src, the same kind of map from the current
+             token's src state to dst's experts of the *next* token (fit on the trace shifted
+             by one position). Offload eviction needs it: the experts of the layers a token
+             has passed are next wanted by the next token (offload_cache.py).
   previous   dst's experts of the previous token of the same sequence (known by the time
              the current token reaches L), then its other experts by that token's router
              probabilities; the first token of a sequence falls back to frequency.
@@ -73,6 +77,12 @@ def check_lookahead(cfg: Config, lookahead: list[int] | None) -> list[int]:
       raise ValueError(f"--lookahead {d}: no MoE layer is {d} layers below another layer "
                        f"(MoE layers: {moe_layers_of(cfg)})")
   return sorted(set(lookahead))
+
+
+def next_token_pairs(cfg: Config) -> list[tuple[int, int]]:
+  """(src, dst) for the next-token maps: every MoE dst at or below each MoE src."""
+  moe = moe_layers_of(cfg)
+  return [(src, dst) for src in moe for dst in moe if dst <= src]
 
 
 def fetch_sizes(k: int) -> list[int]:
@@ -165,39 +175,72 @@ class LookaheadGate:
     return select_TE if p["bias_E"] is None else select_TE + p["bias_E"]
 
 
+def _ridge(x_TD: np.ndarray, y_TJ: np.ndarray, ridge: float) -> tuple[np.ndarray, np.ndarray]:
+  """w = (Xc^T Xc / T + ridge I)^-1 Xc^T Yc / T, b = mean(Y) - mean(X) w (float64 inside)."""
+  x_TD, y_TJ = x_TD.astype(np.float64), y_TJ.astype(np.float64)
+  mx_D, my_J = x_TD.mean(0), y_TJ.mean(0)
+  xc_TD, T = x_TD - mx_D, x_TD.shape[0]
+  gram_DD = xc_TD.T @ xc_TD / T + ridge * np.eye(x_TD.shape[1])
+  w_DJ = np.linalg.solve(gram_DD, xc_TD.T @ (y_TJ - my_J) / T)
+  return w_DJ, my_J - mx_D @ w_DJ
+
+
+def _fit_maps(x_of, y_of, pairs, E: int, ridge: float) -> dict:
+  """One ridge solve per source layer over its targets' E columns each."""
+  maps = {}
+  for src in sorted({s for s, _ in pairs}):
+    dsts = [d for s, d in pairs if s == src]
+    w_DJ, b_J = _ridge(x_of(src), np.concatenate([y_of(d) for d in dsts], axis=1), ridge)
+    for j, dst in enumerate(dsts):
+      cols = slice(j * E, (j + 1) * E)
+      maps[(src, dst)] = (w_DJ[:, cols].astype(np.float32), b_J[cols].astype(np.float32))
+  return maps
+
+
 class Learned:
   name = "learned"
 
   def __init__(self, maps: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]],
-               eps: float = 1e-6):
-    """maps: (src, dst) -> (w_DE, b_E); scores = rms_normalize(h_src) @ w_DE + b_E."""
-    self.maps, self.eps = maps, eps
+               eps: float = 1e-6, next_maps: dict | None = None):
+    """maps: (src, dst) -> (w_DE, b_E); scores = rms_normalize(h_src) @ w_DE + b_E.
+    next_maps: the same for dst's experts of the next token (may be empty)."""
+    self.maps, self.eps, self.next_maps = maps, eps, dict(next_maps or {})
 
   @classmethod
   def fit(cls, trace: RoutingTrace, pairs: list[tuple[int, int]], ridge: float = DEFAULT_RIDGE,
-          eps: float = 1e-6) -> "Learned":
-    """Ridge regression per pair, one Gram matrix per source layer (J = E columns per
-    target layer of that source): w = (Xc^T Xc / T + ridge I)^-1 Xc^T Yc / T,
-    b = mean(Y) - mean(X) w."""
-    maps = {}
+          eps: float = 1e-6, next_pairs: list[tuple[int, int]] = ()) -> "Learned":
+    """Ridge regression per pair to the multi-hot of the used experts, one Gram matrix per
+    source layer; next_pairs on the rows whose next token is in the same sequence."""
     E = trace.probs_LTE.shape[-1]
-    for src in sorted({s for s, _ in pairs}):
-      dsts = [d for s, d in pairs if s == src]
-      x_TD = _rms_normalize(trace.hidden_LTD[src], eps).astype(np.float64)
-      y_TJ = np.concatenate([trace.used_TE(d) for d in dsts], axis=1).astype(np.float64)
-      mx_D, my_J = x_TD.mean(0), y_TJ.mean(0)
-      xc_TD, T = x_TD - mx_D, x_TD.shape[0]
-      gram_DD = xc_TD.T @ xc_TD / T + ridge * np.eye(x_TD.shape[1])
-      w_DJ = np.linalg.solve(gram_DD, xc_TD.T @ (y_TJ - my_J) / T)
-      b_J = my_J - mx_D @ w_DJ
-      for j, dst in enumerate(dsts):
-        cols = slice(j * E, (j + 1) * E)
-        maps[(src, dst)] = (w_DJ[:, cols].astype(np.float32), b_J[cols].astype(np.float32))
-    return cls(maps, eps)
+    x_of = lambda src: _rms_normalize(trace.hidden_LTD[src], eps)
+    maps = _fit_maps(x_of, trace.used_TE, pairs, E, ridge)
+    has_next_T = np.append(trace.position_T[1:] > 0, False)   # row t + 1 continues row t
+    next_maps = _fit_maps(lambda src: x_of(src)[has_next_T],
+                          lambda dst: np.roll(trace.used_TE(dst), -1, axis=0)[has_next_T],
+                          next_pairs, E, ridge) if has_next_T.any() else {}
+    return cls(maps, eps, next_maps)
 
   def scores(self, trace: RoutingTrace, src: int, dst: int) -> np.ndarray:
     w_DE, b_E = self.maps[(src, dst)]
     return _rms_normalize(trace.hidden_LTD[src], self.eps) @ w_DE + b_E
+
+  def next_scores(self, hidden_TD: np.ndarray, src: int, dst: int) -> np.ndarray:
+    """Scores of dst's experts for the token after each row's (the regression's estimate of
+    the chance each is used), from the rows' residual at src."""
+    w_DE, b_E = self.next_maps[(src, dst)]
+    return _rms_normalize(hidden_TD, self.eps) @ w_DE + b_E
+
+
+class NextToken:
+  """Evaluation view of Learned's next-token maps: row t's scores are its prediction for the
+  token after it at dst, from src = dst (the earliest the estimate is made)."""
+  name = "learned, next token"
+
+  def __init__(self, learned: Learned):
+    self.learned = learned
+
+  def scores(self, trace: RoutingTrace, src: int, dst: int) -> np.ndarray:
+    return self.learned.next_scores(trace.hidden_LTD[src], src, dst)
 
 
 # ------------------------------------------------------ the stored predictor ---
@@ -227,6 +270,8 @@ def save_predictor(run_dir: Path, learned: Learned, frequency: Frequency, meta: 
             "meta_json": np.asarray(json.dumps(meta))}
   for (src, dst), (w_DE, b_E) in learned.maps.items():
     arrays[f"w_DE_{src}_{dst}"], arrays[f"b_E_{src}_{dst}"] = w_DE, b_E
+  for (src, dst), (w_DE, b_E) in learned.next_maps.items():
+    arrays[f"next_w_DE_{src}_{dst}"], arrays[f"next_b_E_{src}_{dst}"] = w_DE, b_E
   path = Path(run_dir) / PREDICTOR_FILE
   tmp = path.with_suffix(".tmp.npz")
   np.savez(tmp, **arrays)
@@ -260,7 +305,9 @@ def load_predictor(run_dir: Path, tm, lookahead: list[int]) -> tuple[Learned, Fr
                      f"--lookahead {' '.join(map(str, both))}")
   try:
     maps = {(s, d): (arrays[f"w_DE_{s}_{d}"], arrays[f"b_E_{s}_{d}"]) for s, d in meta["pairs"]}
+    next_maps = {(s, d): (arrays[f"next_w_DE_{s}_{d}"], arrays[f"next_b_E_{s}_{d}"])
+                 for s, d in meta.get("next_pairs", [])}
     freq = Frequency(arrays["frequency_LE"], tuple(int(l) for l in arrays["moe_layers"]))
   except KeyError as err:
     raise ValueError(f"{path} lacks {err}; {retrain}") from None
-  return Learned(maps, meta["eps"]), freq, meta
+  return Learned(maps, meta["eps"], next_maps), freq, meta

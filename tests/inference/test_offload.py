@@ -289,6 +289,52 @@ def test_predictive_prefetch_takes_only_what_is_needed_later():
   cache.release()
 
 
+def test_next_token_estimates_keep_what_the_next_token_wants():
+  # 2 slots, layers 0 and 1 in a cycle. After layer 1, layer 0's a and b are both resident
+  # ... with one slot left for c (layer 1): by use rate alone a and b tie; told that the
+  # next token wants b, the cache evicts a.
+  a, b, c = (0, 0), (0, 1), (1, 0)
+  for estimates, kept in (({}, None), ({a: 0.0, b: 0.9}, b), ({a: 0.9, b: 0.0}, a)):
+    cache = OffloadCache(2, "predictive", layers=[0, 1])
+    cache.visit(0)
+    cache.acquire([a, b])
+    cache.release()
+    cache.expect(estimates)
+    _visit(cache, c)
+    if kept is not None:
+      assert set(cache.slot_of) == {kept, c}, estimates
+      assert cache.next_use(kept) < cache.next_use(a if kept == b else b)
+  # An estimate holds until its layer's visit, then the use rate is back.
+  cache.expect({b: 0.0})
+  assert b in cache.expected
+  cache.visit(0)
+  assert b not in cache.expected
+
+
+def test_learned_next_token_maps_feed_the_cache_and_keep_decode_exact():
+  from moejax.inference.prefetch import Learned, next_token_pairs
+  from moejax.inference.routing_trace import record_trace
+  from moejax.inference.load import TrainedModel
+  from moejax.data import ByteTokenizer
+  m = _build(["moe.num_experts=8", "moe.first_dense_layers=1", "model.num_layers=3"])
+  cfg, graphdef, params, buffers = m["split"]
+  tm = TrainedModel(cfg, graphdef, params, buffers, ByteTokenizer(), 0)
+  trace = record_trace(tm, [np.random.default_rng(3).integers(0, 256, (4, 32)).astype(np.int32)])
+  learned = Learned.fit(trace, [(0, 1), (1, 2)], next_pairs=next_token_pairs(cfg))
+  prompts = _prompts((7,), seed=2)
+  seen = []
+  eng = _offload(m, 4, "predictive", predictor=learned)
+  expect = eng.cache.expect
+  eng.cache.expect = lambda est: (seen.append(dict(est)), expect(est))
+  assert eng.generate(prompts, 10)[0] == _engine_tokens(m, prompts, 10)
+  # Every forward: from layer 1 the estimates of layer 1, from layer 2 those of 1 and 2.
+  assert len(seen) == 2 * 10 and {k[0] for k in seen[0]} == {1} and len(seen[1]) == 16
+  assert all(0.0 <= p <= 1.0 for est in seen for p in est.values())
+  no_next = _offload(m, 4, "predictive", predictor=Learned(learned.maps))
+  assert no_next.generate(prompts, 10)[0] == _engine_tokens(m, prompts, 10)
+  assert no_next.cache.expected == {}
+
+
 class _Oracle:
   """Knows each forward's routing (from a recorded run): scores = the experts it will use."""
   name = "oracle"

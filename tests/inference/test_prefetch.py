@@ -12,10 +12,11 @@ from moejax.config import load_config
 from moejax.data import ByteTokenizer
 from moejax.inference.eval_prefetch import evaluate_recall
 from moejax.inference.load import TrainedModel
-from moejax.inference.prefetch import (Frequency, Learned, LookaheadGate, PreviousToken,
-                                       check_lookahead, expert_frequency, fetch_sizes,
-                                       layer_pairs, load_predictor, model_digest, recall_counts,
-                                       save_predictor, top_m_mask)
+from moejax.inference.prefetch import (Frequency, Learned, LookaheadGate, NextToken,
+                                       PreviousToken, check_lookahead, expert_frequency,
+                                       fetch_sizes, layer_pairs, load_predictor, model_digest,
+                                       next_token_pairs, recall_counts, save_predictor,
+                                       top_m_mask)
 from moejax.inference.routing_trace import RoutingTrace, record_trace
 from moejax.state import build_model, split_model
 
@@ -152,6 +153,41 @@ def test_learned_beats_frequency_on_planted_structure():
     assert got[("learned", m)] > got[("frequency", m)] + 0.3
 
 
+def _planted_next(rng, A_DE, T, seq_len, k):
+  """Layer 1's experts at token t + 1 are the top-k of a linear function of token t's layer-1
+  hidden state (a new sequence every seq_len rows: its first token's experts are random)."""
+  h_TD = rng.normal(size=(T, A_DE.shape[0])).astype(np.float32)
+  next_TK = np.argsort(-(h_TD @ A_DE), axis=-1)[:, :k]
+  expert_TK = np.roll(next_TK, 1, axis=0)
+  first = np.arange(0, T, seq_len)
+  expert_TK[first] = np.argsort(rng.normal(size=(len(first), A_DE.shape[1])), -1)[:, :k]
+  hidden_LTD = np.stack([rng.normal(size=h_TD.shape).astype(np.float32), h_TD])
+  return _trace(expert_TK[None], seq_len=seq_len, E=A_DE.shape[1], hidden_LTD=hidden_LTD,
+                moe_layers=(1,))
+
+
+def test_next_token_maps_learn_planted_next_token_routing():
+  rng = np.random.default_rng(1)
+  A_DE = rng.normal(size=(16, 8))
+  train, held_out = (_planted_next(rng, A_DE, T, 50, 2) for T in (4000, 2000))
+  cfg = load_config(None, SMALL + ["moe.num_experts=8", "model.num_layers=2"])
+  assert next_token_pairs(cfg) == [(1, 1)]
+  learned = Learned.fit(train, [(0, 1)], next_pairs=[(1, 1)])
+  freq = Frequency(expert_frequency(train), train.moe_layers)
+  rows = evaluate_recall(held_out, [], cfg, [1], [NextToken(learned), PreviousToken(freq), freq])
+  got = {(r["predictor"], r["m"]): r for r in rows if r["layer"] == "all"}
+  # Scored on the rows with a previous token: 2000 - 40 sequence starts, 2 experts each.
+  assert got[("learned, next token", 2)]["used"] == (2000 - 40) * 2
+  assert got[("learned, next token", 2)]["recall"] > 0.8
+  assert got[("previous", 2)]["recall"] < 0.5 and got[("frequency", 2)]["recall"] < 0.5
+  # The regression's estimate (a chance of use) is high where the next token uses the expert.
+  est_TE = learned.next_scores(held_out.hidden_LTD[1], 1, 1)
+  assert est_TE.shape == (2000, 8)
+  used_next_TE = np.roll(held_out.used_TE(1), -1, axis=0)[held_out.position_T < 49]
+  est_TE = est_TE[held_out.position_T < 49]
+  assert est_TE[used_next_TE].mean() > est_TE[~used_next_TE].mean() + 0.4
+
+
 # --------------------------------------------------------------- recorder ---
 
 def _trained(cfg, seed=0, step=0) -> TrainedModel:
@@ -192,13 +228,20 @@ def test_stored_predictor_refuses_another_model_step_or_lookahead(tmp_path):
   cfg = load_config(None, SMALL)
   tm = _trained(cfg, step=7)
   trace = record_trace(tm, [np.arange(40, dtype=np.int32).reshape(2, 20)])
-  learned = Learned.fit(trace, layer_pairs(cfg, 1))
+  learned = Learned.fit(trace, layer_pairs(cfg, 1), next_pairs=next_token_pairs(cfg))
+  assert sorted(learned.next_maps) == [(1, 1), (2, 1), (2, 2)]
   freq = Frequency(expert_frequency(trace), trace.moe_layers)
   meta = {"step": 7, "model_digest": model_digest(tm), "lookahead": [1],
           "pairs": [list(p) for p in layer_pairs(cfg, 1)], "train_tokens": 40, "eps": 1e-6}
+  save_predictor(tmp_path, Learned(learned.maps),
+                 freq, meta)   # a file of the layout before next-token maps: none loaded
+  assert load_predictor(tmp_path, tm, [1])[0].next_maps == {}
+  meta["next_pairs"] = [list(p) for p in next_token_pairs(cfg)]
   save_predictor(tmp_path, learned, freq, meta)
   loaded, loaded_freq, _ = load_predictor(tmp_path, tm, [1])
   np.testing.assert_array_equal(loaded.scores(trace, 0, 1), learned.scores(trace, 0, 1))
+  np.testing.assert_array_equal(loaded.next_scores(trace.hidden_LTD[2], 2, 1),
+                                learned.next_scores(trace.hidden_LTD[2], 2, 1))
   np.testing.assert_array_equal(loaded_freq.frequency_LE, freq.frequency_LE)
   with pytest.raises(ValueError, match="another model or checkpoint"):
     load_predictor(tmp_path, dataclasses.replace(tm, step=8), [1])

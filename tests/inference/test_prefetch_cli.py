@@ -34,11 +34,15 @@ def test_eval_prefetch_writes_rows_plot_and_a_predictor(run, capsys):
   result = json.loads((run / "prefetch.json").read_text())
   assert (result["step"], result["val_tokens"], result["train_tokens"]) == (4, 256, 256)
   assert result["lookahead"] == [1, 2, 3] and result["fetch_sizes"] == [2, 3, 4]
-  rows = result["rows"]
+  next_rows = [r for r in result["rows"] if r["lookahead"] == "next"]
+  rows = [r for r in result["rows"] if r["lookahead"] != "next"]
   names = {"gate", "learned", "previous", "frequency"}
   assert {r["predictor"] for r in rows} == names
-  assert all(0.0 <= r["recall"] <= 1.0 for r in rows)
-  assert all(r["recall"] == 1.0 for r in rows if r["m"] == 4)       # m = E
+  assert all(0.0 <= r["recall"] <= 1.0 for r in result["rows"])
+  assert all(r["recall"] == 1.0 for r in result["rows"] if r["m"] == 4)       # m = E
+  # Next-token rows: every MoE layer from itself, on the tokens with a previous one.
+  assert {r["predictor"] for r in next_rows} == {"learned, next token", "previous", "frequency"}
+  assert all(r["used"] == (256 - 256 // 16) * 2 * 3 for r in next_rows if r["layer"] == "all")
   overall = [r for r in rows if r["layer"] == "all"]
   assert len(overall) == 4 * 3 * 3                                   # predictors x d x m
   # Target layers: MoE layers 1-3 with a layer d above; used = 256 tokens x k.
