@@ -53,7 +53,8 @@ _SHAPE_FREE = {"moe.routing", "moe.renormalize", "moe.top_p", "moe.max_k", "moe.
                "model.rope_theta", "model.norm_eps", "model.init_std", "model.max_seq_len",
                "model.clip_qkv", "model.rope_scaling", "model.rope_factor",
                "model.rope_low_freq_factor", "model.rope_high_freq_factor",
-               "model.rope_original_max_len", "model.scan_layers", "inference.offload"}
+               "model.rope_original_max_len", "model.scan_layers", "model.attention_impl",
+               "inference.offload"}
 
 
 def config_mismatches(saved: dict, current: Config) -> list[str]:

@@ -56,6 +56,8 @@ class ModelConfig:
   init_std: float = 0.02
   scan_layers: bool = False      # training forward: runs of same-structure blocks as one
                                  # lax.scan (one compiled block per run); layout unchanged
+  attention_impl: str = "auto"   # causal attention without a cache: xla (einsums) | cudnn
+                                 # (flash) | auto (cudnn on GPU in bf16 / f16, else xla)
 
 
 # moe.routing modes that pick a per-token number of experts, in K = max_k static slots.
@@ -151,6 +153,7 @@ class MeshConfig:
 
 # train.remat: what the training backward recomputes instead of storing (model/transformer.py).
 REMATS = ("none", "experts", "full")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 
 # inference.expert_bits: 16 keeps the training layout (w_gate_EDF, w_up_EDF, w_down_EFD);
@@ -333,6 +336,7 @@ _CHOICES = {
     "data.corpus": ("shakespeare", "files"),
     "data.tokenizer": ("byte", "bpe", "hf"),
     "model.qk_norm": ("none", "head", "full"),
+    "model.attention_impl": ATTENTION_IMPLS,
     "model.rope_scaling": ("none", "linear", "llama3"),
     "kv_cache.key_axis": ("channel", "token"),
     "kv_cache.value_axis": ("channel", "token"),

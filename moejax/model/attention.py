@@ -34,11 +34,31 @@ def causal_mask(T: int) -> jax.Array:
   return jnp.tril(jnp.ones((T, T), dtype=bool))[None]
 
 
+def resolve_attention_impl(implementation: str, dtype) -> str:
+  """model.attention_impl -> xla | cudnn. auto: cuDNN's fused flash attention where it runs
+  (a GPU, 16-bit compute): it never writes the [T, S] scores to HBM, which the einsum path
+  does for every head in the forward and again in the backward."""
+  if implementation != "auto":
+    return implementation
+  half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
+
+
+def causal_attention(q_BTHA, k_BTNA, v_BTNA, implementation: str = "xla"):
+  """Causal GQA over one sequence (no cache): gqa_attention with the causal mask, or
+  jax.nn.dot_product_attention's cuDNN kernel (float32 softmax inside as well)."""
+  if resolve_attention_impl(implementation, q_BTHA.dtype) == "cudnn":
+    return jax.nn.dot_product_attention(q_BTHA, k_BTNA, v_BTNA, is_causal=True,
+                                        implementation="cudnn")
+  return gqa_attention(q_BTHA, k_BTNA, v_BTNA, causal_mask(q_BTHA.shape[1]))
+
+
 class Attention(nnx.Module):
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                rope_theta: float, rngs: nnx.Rngs, std: float, dtype, param_dtype,
                qkv_bias: bool = False, qk_norm: str = "none", clip_qkv: float = 0.0,
-               norm_eps: float = 1e-6, rope_scaling: RopeScaling | None = None):
+               norm_eps: float = 1e-6, rope_scaling: RopeScaling | None = None,
+               implementation: str = "auto"):
     # Parameter names predate the shape legend (K = kv heads, d = head dim there); they are
     # checkpoint keys, so they stay: wq_DHd is [D, H*A], wk/wv_DKd [D, N*A], wo_HdD [H*A, D].
     # The optional parts (model.qkv_bias, qk_norm) exist only when configured, so a model
@@ -61,6 +81,7 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(k_dim, eps=norm_eps, param_dtype=param_dtype)
     self.num_heads, self.num_kv_heads, self.head_dim = H, N, A
     self.rope_theta, self.rope_scaling, self.dtype = rope_theta, rope_scaling, dtype
+    self.implementation = implementation   # causal_attention's, without a cache
 
   def fuse_projections(self) -> None:
     """Replaces wq, wk, wv by one [D, P] weight (q | k | v columns), in place: the decode
@@ -105,7 +126,6 @@ class Attention(nnx.Module):
     and attention reads everything it holds; returns (y_BTD, new_cache)."""
     q, k, v = self.project_qkv(x_BTD, positions_BT)
     if cache is None:
-      o = gqa_attention(q, k, v, causal_mask(x_BTD.shape[1]))
-      return self.output(o), None
+      return self.output(causal_attention(q, k, v, self.implementation)), None
     o, cache = cache.extend(q, k, v, positions_BT)
     return self.output(o.astype(self.dtype)), cache

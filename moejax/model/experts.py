@@ -54,33 +54,86 @@ def dense_experts(x_TD, expert_TK, weight_TK, keep_TK, w_gate_EDF, w_up_EDF, w_d
 
 
 def _sort_by_expert(expert_TK, keep_TK, num_experts):
-  """Flattened assignments sorted by expert; dropped ones go last (expert id E)."""
-  T, K = expert_TK.shape
+  """Flattened assignments sorted by expert, dropped ones last (expert id E) -> (order_M:
+  the assignment at each sorted row, rank_M: the sorted row of each assignment, group
+  sizes)."""
   eid = jnp.where(keep_TK, expert_TK, num_experts).reshape(-1)
-  order = jnp.argsort(eid, stable=True)
-  token_of_sorted = order // K
+  order_M = jnp.argsort(eid, stable=True).astype(jnp.int32)
+  rank_M = jnp.zeros_like(order_M).at[order_M].set(
+      jnp.arange(order_M.shape[0], dtype=jnp.int32), unique_indices=True)
   group_sizes_E = jnp.bincount(eid, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-  return order, token_of_sorted, group_sizes_E
+  return order_M, rank_M, group_sizes_E
+
+
+# Permuting rows by a sort as gathers both ways: XLA transposes a gather into a scatter-add
+# (atomics over rows it cannot know are distinct); a permutation's transpose is the gather by
+# its inverse, and the K copies of a token gather back with one sum over K.
+
+@jax.custom_vjp
+def _dispatch(x_TD, order_M, rank_M):
+  """x_MD: row m is the token of sorted assignment m (each token K times)."""
+  return x_TD[order_M // (order_M.shape[0] // x_TD.shape[0])]
+
+
+def _dispatch_fwd(x_TD, order_M, rank_M):
+  return _dispatch(x_TD, order_M, rank_M), (rank_M, x_TD.shape[0])
+
+
+def _dispatch_bwd(res, g_MD):
+  rank_M, T = res
+  return g_MD[rank_M].reshape(T, -1, g_MD.shape[-1]).sum(1), None, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def _undo_sort(y_MD, order_M, rank_M):
+  """y_MD's rows back in assignment order (row t*K + k: token t's slot k)."""
+  return y_MD[rank_M]
+
+
+def _undo_sort_fwd(y_MD, order_M, rank_M):
+  return y_MD[rank_M], order_M
+
+
+def _undo_sort_bwd(order_M, g_MD):
+  return g_MD[order_M], None, None
+
+
+_undo_sort.defvjp(_undo_sort_fwd, _undo_sort_bwd)
 
 
 def _grouped_experts(hidden, x_TD, expert_TK, weight_TK, keep_TK, w_down_EFD, matmul):
   """hidden(x_MD, group_sizes_E) -> h_MF, the SwiGLU activations of the sorted rows."""
   T, K = expert_TK.shape
   E = w_down_EFD.shape[0]
-  order, token_of_sorted, group_sizes_E = _sort_by_expert(expert_TK, keep_TK, E)
-  x_MD = x_TD[token_of_sorted]                                   # M = T*K sorted rows
+  order_M, rank_M, group_sizes_E = _sort_by_expert(expert_TK, keep_TK, E)
+  x_MD = _dispatch(x_TD, order_M, rank_M)                        # M = T*K sorted rows
   y_MD = matmul(hidden(x_MD, group_sizes_E), w_down_EFD, group_sizes_E)
-  # Rows past sum(group_sizes) are dropped assignments: their weight is 0 below, and the
-  # where() also discards whatever the matmul left there.
-  w_M = weight_TK.reshape(-1)[order]
-  valid_M = jnp.arange(T * K) < group_sizes_E.sum()
-  y_MD = jnp.where(valid_M[:, None], y_MD * w_M[:, None].astype(y_MD.dtype), 0)
-  return jnp.zeros_like(x_TD).at[token_of_sorted].add(y_MD.astype(x_TD.dtype))
+  # Dropped assignments sort past sum(group_sizes): where() discards whatever the matmul
+  # left in their rows.
+  y_TKD = _undo_sort(y_MD, order_M, rank_M).reshape(T, K, -1)
+  w_TK = jnp.where(keep_TK, weight_TK, 0).astype(y_TKD.dtype)
+  y_TKD = jnp.where(keep_TK[..., None], y_TKD * w_TK[..., None], 0)
+  return y_TKD.sum(1).astype(x_TD.dtype)
 
 
 def _separate_gate_up(matmul, w_gate_EDF, w_up_EDF):
   return lambda x_MD, sizes_E: _swiglu(matmul(x_MD, w_gate_EDF, sizes_E),
                                        matmul(x_MD, w_up_EDF, sizes_E))
+
+
+def _fused_gate_up(matmul, w_gate_EDF, w_up_EDF):
+  """Gate and up as one grouped matmul of twice the width: x read once, one kernel forward,
+  one data-gradient and one weight-gradient kernel backward (the concatenation fuses into
+  the weights' cast to the compute dtype)."""
+  w_gate_up_ED2F = jnp.concatenate([w_gate_EDF, w_up_EDF], axis=2)
+
+  def hidden(x_MD, sizes_E):
+    gate_MF, up_MF = jnp.split(matmul(x_MD, w_gate_up_ED2F, sizes_E), 2, axis=1)
+    return _swiglu(gate_MF, up_MF)
+  return hidden
 
 
 def _ragged_matmul(x_MI, w_EIO, group_sizes_E):
@@ -123,7 +176,8 @@ def expert_ffn(impl: str, x_TD, expert_TK, weight_TK, keep_TK, w_gate_EDF, w_up_
                          capacity=capacity)
   if impl in _MATMULS:
     matmul = _MATMULS[impl]
-    return _grouped_experts(_separate_gate_up(matmul, w_gate_EDF, w_up_EDF), x_TD, expert_TK,
+    gate_up = _fused_gate_up if impl == "gmm" else _separate_gate_up
+    return _grouped_experts(gate_up(matmul, w_gate_EDF, w_up_EDF), x_TD, expert_TK,
                             weight_TK, keep_TK, w_down_EFD, matmul)
   raise ValueError(f"unknown expert_impl {impl!r}; choose one of {', '.join(EXPERT_IMPLS)}")
 

@@ -39,7 +39,7 @@ class Block(nnx.Module):
                           rope_theta=m.rope_theta, rngs=rngs, std=m.init_std, dtype=dtype,
                           param_dtype=pdtype, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm,
                           clip_qkv=m.clip_qkv, norm_eps=m.norm_eps,
-                          rope_scaling=rope_scaling_of(m))
+                          rope_scaling=rope_scaling_of(m), implementation=m.attention_impl)
     self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pdtype)
     self.is_moe = is_moe_layer(cfg, layer)
     if self.is_moe:
