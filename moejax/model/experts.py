@@ -65,9 +65,9 @@ def _sort_by_expert(expert_TK, keep_TK, num_experts):
   return order_M, rank_M, group_sizes_E
 
 
-# Permuting rows by a sort as gathers both ways: XLA transposes a gather into a scatter-add
-# (atomics over rows it cannot know are distinct); a permutation's transpose is the gather by
-# its inverse, and the K copies of a token gather back with one sum over K.
+# The K copies of each token gathered into sorted order: XLA would transpose the gather into
+# a scatter-add over T (atomics, K rows per token); the sort is a permutation of the T*K
+# assignments, so the gradient is the gather by its inverse and a sum over K.
 
 @jax.custom_vjp
 def _dispatch(x_TD, order_M, rank_M):
@@ -87,23 +87,6 @@ def _dispatch_bwd(res, g_MD):
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
-@jax.custom_vjp
-def _undo_sort(y_MD, order_M, rank_M):
-  """y_MD's rows back in assignment order (row t*K + k: token t's slot k)."""
-  return y_MD[rank_M]
-
-
-def _undo_sort_fwd(y_MD, order_M, rank_M):
-  return y_MD[rank_M], order_M
-
-
-def _undo_sort_bwd(order_M, g_MD):
-  return g_MD[order_M], None, None
-
-
-_undo_sort.defvjp(_undo_sort_fwd, _undo_sort_bwd)
-
-
 def _grouped_experts(hidden, x_TD, expert_TK, weight_TK, keep_TK, w_down_EFD, matmul):
   """hidden(x_MD, group_sizes_E) -> h_MF, the SwiGLU activations of the sorted rows."""
   T, K = expert_TK.shape
@@ -111,12 +94,14 @@ def _grouped_experts(hidden, x_TD, expert_TK, weight_TK, keep_TK, w_down_EFD, ma
   order_M, rank_M, group_sizes_E = _sort_by_expert(expert_TK, keep_TK, E)
   x_MD = _dispatch(x_TD, order_M, rank_M)                        # M = T*K sorted rows
   y_MD = matmul(hidden(x_MD, group_sizes_E), w_down_EFD, group_sizes_E)
-  # Dropped assignments sort past sum(group_sizes): where() discards whatever the matmul
-  # left in their rows.
-  y_TKD = _undo_sort(y_MD, order_M, rank_M).reshape(T, K, -1)
-  w_TK = jnp.where(keep_TK, weight_TK, 0).astype(y_TKD.dtype)
-  y_TKD = jnp.where(keep_TK[..., None], y_TKD * w_TK[..., None], 0)
-  return y_TKD.sum(1).astype(x_TD.dtype)
+  # Rows past sum(group_sizes) are dropped assignments: their weight is 0 below, and the
+  # where() also discards whatever the matmul left there. The scatter-add sums each token's
+  # rows in ascending expert order (what expert offload reproduces pass by pass); its
+  # transpose is a gather.
+  w_M = weight_TK.reshape(-1)[order_M]
+  valid_M = jnp.arange(T * K) < group_sizes_E.sum()
+  y_MD = jnp.where(valid_M[:, None], y_MD * w_M[:, None].astype(y_MD.dtype), 0)
+  return jnp.zeros_like(x_TD).at[order_M // K].add(y_MD.astype(x_TD.dtype))
 
 
 def _separate_gate_up(matmul, w_gate_EDF, w_up_EDF):
