@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.config import REMATS, Config, load_config
+from moejax.inference.timing import median_seconds
 from moejax.model.transformer import active_params
 from moejax.state import abstract_state, init_state, make_train_step
 
@@ -67,17 +68,12 @@ def train_config(size: str, impl: str, overrides: list[str]) -> Config:
   return load_config(None, SIZES[size] + [f"moe.expert_impl={impl}"] + cf + list(overrides))
 
 
-def matmul_tflops(n=8192, reps=20):
+def matmul_tflops(n=8192, reps=10):
+  """bf16 n^3 matmul rate, back-to-back calls (bench_gmm's ceiling): a sync after every
+  1.4 ms call read 610-673 TFLOP/s where back-to-back calls read 778 (H100, 2026-12-07)."""
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
   b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-  f = jax.jit(lambda a, b: a @ b)
-  f(a, b).block_until_ready()
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    f(a, b).block_until_ready()
-    times.append(time.perf_counter() - t)
-  return 2 * n ** 3 / np.median(times) / 1e12
+  return 2 * n ** 3 / median_seconds(jax.jit(lambda a, b: a @ b), (a, b), reps=reps) / 1e12
 
 
 def time_impl(cfg: Config, steps: int):

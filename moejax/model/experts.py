@@ -111,8 +111,10 @@ def _separate_gate_up(matmul, w_gate_EDF, w_up_EDF):
 
 def _fused_gate_up(matmul, w_gate_EDF, w_up_EDF):
   """Gate and up as one grouped matmul of twice the width: x read once, one kernel forward,
-  one data-gradient and one weight-gradient kernel backward (the concatenation fuses into
-  the weights' cast to the compute dtype)."""
+  one data-gradient and one weight-gradient kernel backward. The concatenation copies every
+  expert's gate and up weights: free only where it fuses into a cast that copies them anyway
+  (float32 parameters, 16-bit compute: training); at decode it would copy all E experts per
+  step to run the few routed ones."""
   w_gate_up_ED2F = jnp.concatenate([w_gate_EDF, w_up_EDF], axis=2)
 
   def hidden(x_MD, sizes_E):
@@ -154,14 +156,15 @@ _MATMULS = {"ragged": _ragged_matmul, "blocked": _blocked_matmul, "gmm": _gmm_ma
 
 
 def expert_ffn(impl: str, x_TD, expert_TK, weight_TK, keep_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
-               *, capacity: int):
-  """Weighted sum over each token's kept experts of SwiGLU_e(x): [T, D]."""
+               *, capacity: int, fuse_gate_up: bool = False):
+  """Weighted sum over each token's kept experts of SwiGLU_e(x): [T, D]. fuse_gate_up (gmm
+  only): gate and up as one grouped matmul (_fused_gate_up)."""
   if impl == "dense":
     return dense_experts(x_TD, expert_TK, weight_TK, keep_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
                          capacity=capacity)
   if impl in _MATMULS:
     matmul = _MATMULS[impl]
-    gate_up = _fused_gate_up if impl == "gmm" else _separate_gate_up
+    gate_up = _fused_gate_up if impl == "gmm" and fuse_gate_up else _separate_gate_up
     return _grouped_experts(gate_up(matmul, w_gate_EDF, w_up_EDF), x_TD, expert_TK,
                             weight_TK, keep_TK, w_down_EFD, matmul)
   raise ValueError(f"unknown expert_impl {impl!r}; choose one of {', '.join(EXPERT_IMPLS)}")

@@ -168,7 +168,9 @@ class MoE(nnx.Module):
     args = (self.cfg.expert_impl, x_TD, r.expert_TK, r.weight_TK, r.keep_TK)
     if self.expert_bits == 16:
       c = lambda p: p[...].astype(self.dtype)
-      ffn = functools.partial(expert_ffn, capacity=capacity)
+      # Fused gate|up only where the weights are cast (copied) anyway: see experts.py.
+      fuse = self.w_gate_EDF[...].dtype != jnp.dtype(self.dtype)
+      ffn = functools.partial(expert_ffn, capacity=capacity, fuse_gate_up=fuse)
       return (jax.checkpoint(ffn, static_argnums=0) if remat else ffn)(
           *args, c(self.w_gate_EDF), c(self.w_up_EDF), c(self.w_down_EFD))
     q = lambda codes, scales: QuantizedExpertWeights(

@@ -167,3 +167,29 @@ def test_transformer_checks_its_inputs():
     model(jnp.zeros((2, 12), jnp.float32))             # token ids are integers
   with pytest.raises(AssertionError):
     model(_tokens(0), jnp.zeros((2, 5), jnp.int32))    # positions must match the tokens
+
+
+def test_fused_gate_up_equals_separate_and_is_used_only_where_weights_are_cast(monkeypatch):
+  x, logits, wg, wu, wd = _random_routing_inputs(0)
+  r = route(logits, mode="softmax_topk", top_k=2, renormalize=True, capacity=None)
+  def loss(fuse):
+    return lambda x, wg, wu, wd: jnp.sum(expert_ffn(
+        "gmm", x, r.expert_TK, r.weight_TK, r.keep_TK, wg, wu, wd, capacity=x.shape[0],
+        fuse_gate_up=fuse) ** 2)
+  got = {f: jax.value_and_grad(loss(f), argnums=(0, 1, 2, 3))(x, wg, wu, wd) for f in (0, 1)}
+  np.testing.assert_allclose(got[1][0], got[0][0], rtol=1e-6)
+  for a, b in zip(got[1][1], got[0][1]):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  concats = lambda f: str(jax.make_jaxpr(loss(f))(x, wg, wu, wd)).count("concatenate")
+  assert concats(True) > concats(False)                     # the [E, D, 2F] weights
+  # The model fuses when float32 parameters are cast to a 16-bit compute dtype (training),
+  # not when they are stored in the compute dtype (the decode layout).
+  from moejax.model import experts
+  from moejax.state import build_model
+  fused = []
+  real = experts._fused_gate_up
+  monkeypatch.setattr(experts, "_fused_gate_up", lambda *a: fused.append(1) or real(*a))
+  for dtypes, want in ((["model.dtype=bfloat16"], True), ([], False)):
+    fused.clear()
+    build_model(small_cfg("moe.expert_impl=gmm", *dtypes), 0)(_tokens(2))
+    assert bool(fused) == want, dtypes
