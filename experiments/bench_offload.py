@@ -40,6 +40,9 @@ from pathlib import Path
 # The pool is most of the card at a 75 % budget: let the allocator have it (XLA's default
 # preallocates 75 % of the memory).
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+# XLA's pinned host allocator stops at 64 GB by default; Mixtral's bf16 experts are 90 GB.
+os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(
+    0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30)))
 
 import jax
 import jax.numpy as jnp
