@@ -68,7 +68,8 @@ def test_expert_impls_match_per_token_definition(impl, capacity):
   np.testing.assert_allclose(y, _per_token_reference(x, r, wg, wu, wd), rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("extra", [[], ["moe.capacity_factor=1.0"], ["moe.routing=top_p"],
+@pytest.mark.parametrize("extra", [[], ["moe.capacity_factor=1.0"],
+                                   pytest.param(["moe.routing=top_p"], marks=pytest.mark.slow),
                                    ["moe.num_shared_experts=1", "moe.bias_balancing=true"]])
 def test_expert_impls_give_same_loss_and_gradients(extra):
   grads = {}

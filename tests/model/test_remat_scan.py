@@ -217,6 +217,7 @@ def test_train_entry_point_with_remat_full_and_scan_layers(tmp_path):
 EP_CASES = [("experts", True, "dense", 4), ("full", False, "ragged", 0)]
 
 
+@pytest.mark.slow   # 17 s: a subprocess on 8 virtual devices; the train entry test covers the path
 def test_remat_and_scan_match_single_device_on_an_expert_mesh():
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
              XLA_FLAGS="--xla_force_host_platform_device_count=8 "
