@@ -48,7 +48,8 @@ DEFAULT_LOOKAHEAD = (1, 2, 3)
 DEFAULT_RIDGE = 1e-3
 # Settings that do not change which experts a token picks: left out of the model digest.
 _ROUTING_NEUTRAL = ("expert_impl", "aux_loss_coef", "z_loss_coef", "bias_update_rate")
-_MODEL_NEUTRAL = ("scan_layers", "attention_impl")   # how the forward is compiled, not what it computes
+# How the forward is compiled, not what it computes:
+_MODEL_NEUTRAL = ("scan_layers", "attention_impl")
 
 
 # ------------------------------------------------------------------ pairs ---

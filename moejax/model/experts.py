@@ -115,10 +115,13 @@ def _fused_gate_up(matmul, w_gate_EDF, w_up_EDF):
   expert's gate and up weights: free only where it fuses into a cast that copies them anyway
   (float32 parameters, 16-bit compute: training); at decode it would copy all E experts per
   step to run the few routed ones."""
-  w_gate_up_ED2F = jnp.concatenate([w_gate_EDF, w_up_EDF], axis=2)
+  return _gate_up_hidden(matmul, jnp.concatenate([w_gate_EDF, w_up_EDF], axis=2))
 
+
+def _gate_up_hidden(matmul, w_gate_up):
+  """SwiGLU of one grouped matmul over gate|up weights ([E, D, 2F], gate first)."""
   def hidden(x_MD, sizes_E):
-    gate_MF, up_MF = jnp.split(matmul(x_MD, w_gate_up_ED2F, sizes_E), 2, axis=1)
+    gate_MF, up_MF = jnp.split(matmul(x_MD, w_gate_up, sizes_E), 2, axis=1)
     return _swiglu(gate_MF, up_MF)
   return hidden
 
@@ -178,10 +181,8 @@ def quantized_expert_ffn(impl: str, x_TD, expert_TK, weight_TK, keep_TK,
   dequantizes them as it reads them: one weight read per routed expert for gate and up
   together. The other impls dequantize whole matrices first (in x's dtype)."""
   if impl == "gmm":
-    def hidden(x_MD, sizes_E):
-      gate_MF, up_MF = jnp.split(_gmm_matmul(x_MD, w_gate_up, sizes_E), 2, axis=1)
-      return _swiglu(gate_MF, up_MF)
-    return _grouped_experts(hidden, x_TD, expert_TK, weight_TK, keep_TK, w_down, _gmm_matmul)
+    return _grouped_experts(_gate_up_hidden(_gmm_matmul, w_gate_up), x_TD, expert_TK,
+                            weight_TK, keep_TK, w_down, _gmm_matmul)
   w_gate_up_ED2F = dequantize_expert_weights(w_gate_up, x_TD.dtype)
   w_gate_EDF, w_up_EDF = jnp.split(w_gate_up_ED2F, 2, axis=2)
   return expert_ffn(impl, x_TD, expert_TK, weight_TK, keep_TK, w_gate_EDF, w_up_EDF,
