@@ -93,3 +93,30 @@ class SwiGLU(nnx.Module):
     c = lambda p: p[...].astype(self.dtype)
     h = jax.nn.silu(x_BTD @ c(self.w_gate_DF)) * (x_BTD @ c(self.w_up_DF))
     return h @ c(self.w_down_FD)
+
+
+@jax.custom_vjp
+def lm_head_logits(x_BTD: jax.Array, head_DV: jax.Array) -> jax.Array:
+  """float32 logits of x @ head, both in the compute dtype.
+
+  The custom backward casts the logits' float32 cotangent to the compute dtype first. Left
+  to autodiff, the two backward GEMMs take a float32 operand and run as tf32 GEMMs on the
+  widest tensor of the step ([B*T, V]); in bf16 they are plain bf16 GEMMs (float32
+  accumulate). With float32 compute the cast is a no-op and the gradients are exact.
+  """
+  return jnp.dot(x_BTD, head_DV, preferred_element_type=jnp.float32)
+
+
+def _lm_head_fwd(x_BTD, head_DV):
+  return lm_head_logits(x_BTD, head_DV), (x_BTD, head_DV)
+
+
+def _lm_head_bwd(residuals, dlogits_BTV):
+  x_BTD, head_DV = residuals
+  g_BTV = dlogits_BTV.astype(x_BTD.dtype)
+  dx_BTD = jnp.einsum("...v,dv->...d", g_BTV, head_DV, preferred_element_type=jnp.float32)
+  dhead_DV = jnp.einsum("...d,...v->dv", x_BTD, g_BTV, preferred_element_type=jnp.float32)
+  return dx_BTD.astype(x_BTD.dtype), dhead_DV.astype(head_DV.dtype)
+
+
+lm_head_logits.defvjp(_lm_head_fwd, _lm_head_bwd)

@@ -15,7 +15,8 @@ from flax import nnx
 from moejax.config import Config, ModelConfig, is_moe_layer
 from moejax.model import routing
 from moejax.model.attention import Attention
-from moejax.model.layers import RMSNorm, RopeScaling, SwiGLU, dtype_of, normal_init
+from moejax.model.layers import (RMSNorm, RopeScaling, SwiGLU, dtype_of, lm_head_logits,
+                                 normal_init)
 from moejax.model.moe import MoE
 
 if TYPE_CHECKING:   # type only: parallel imports the model, not the reverse
@@ -108,7 +109,7 @@ class Transformer(nnx.Module):
           stats.append(s)
     x = self.final_norm(x)
     head = self.embed_VD[...].T if self.lm_head_DV is None else self.lm_head_DV[...]
-    logits = jnp.dot(x, head.astype(self.dtype), preferred_element_type=jnp.float32)
+    logits = lm_head_logits(x, head.astype(self.dtype))
     return logits, stats, (None if caches is None else new_caches)
 
   def train_layers(self, x_BTD, positions_BT):
