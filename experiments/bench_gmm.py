@@ -41,6 +41,24 @@ def tiling(bm, bk, bn, **kw):
   return GmmTiling(bm, bk, bn, **{**fixed, **kw})
 
 
+def dlhs_sweep(m, i, o, e):
+  """Candidate tilings of the data gradient (gmm with a transposed rhs), default first."""
+  return [default_tiling(m, i, o, e), tiling(128, 64, 128, num_warps=4, num_stages=4),
+          tiling(128, 128, 128, num_warps=8, num_stages=3),
+          tiling(128, 64, 256, num_warps=8, num_stages=4),
+          tiling(128, 64, 256, num_warps=8, num_stages=3, group_m=16),
+          tiling(256, 64, 128, num_warps=8, num_stages=3)]
+
+
+def tgmm_sweep(m, i, o, e):
+  """Candidate tilings of the weight gradient (tgmm), default first."""
+  return [default_tiling(m, i, o, e, op="tgmm"), tiling(64, 128, 256, num_warps=8, num_stages=4),
+          tiling(128, 128, 128, num_warps=8, num_stages=3),
+          tiling(64, 256, 128, num_warps=8, num_stages=3),
+          tiling(32, 128, 128, num_warps=4, num_stages=4),
+          tiling(64, 128, 256, num_warps=8, num_stages=3, group_m=16)]
+
+
 def import_tokamax():
   """tokamax 0.0.17 imports xprof for its own benchmark helpers only: stub it if absent."""
   try:
@@ -276,13 +294,15 @@ def main():
           dy, w, gs, o=k, config=tl, transpose_rhs=True, out_dtype=x.dtype,
           interpret=bool(interpret)))
       t = time_fn(f, (dy, w, gs), reps=reps)
-      record(case, "dlhs", f"gmm_T[{tl.bm},{tl.bk},{tl.bn},w{tl.num_warps},st{tl.num_stages}]",
+      record(case, "dlhs", f"gmm_T[{tl.bm},{tl.bk},{tl.bn},w{tl.num_warps},st{tl.num_stages},"
+             f"g{tl.group_m}]",
              t, flops, 0.0)
     for tl in tgmm_tilings:
       f = jax.jit(lambda x, dy, gs, tl=tl: gmm_triton.tgmm(
           x, dy, gs, config=tl, lhs_im=False, out_dtype=w.dtype, interpret=bool(interpret)))
       t = time_fn(f, (x, dy, gs), reps=reps)
-      record(case, "drhs", f"tgmm[{tl.bm},{tl.bk},{tl.bn},w{tl.num_warps},st{tl.num_stages}]",
+      record(case, "drhs", f"tgmm[{tl.bm},{tl.bk},{tl.bn},w{tl.num_warps},st{tl.num_stages},"
+             f"g{tl.group_m}]",
              t, flops, 0.0)
 
   def quant_decode(case, x, w, gs, sizes, sweep_tilings=()):
@@ -324,10 +344,7 @@ def main():
     run_case("a_mixtral_16k", x, w, gs, dy, dense=True, sweep_tilings=sweep)
     if args.sweep:
       bwd_parts("a_mixtral_16k", x, w, gs, dy,
-                [default_tiling(m, n, k, e), tiling(128, 64, 128, num_warps=4, num_stages=4)],
-                [default_tiling(m, k, n, e, op="tgmm"),
-                 tiling(64, 128, 256, num_warps=8, num_stages=3),
-                 tiling(32, 128, 128, num_warps=4, num_stages=4)])
+                dlhs_sweep(m, n, k, e), tgmm_sweep(m, k, n, e))
     del x, w, dy
   if "b" in cases:
     m, k, n, e = sz["b"]
@@ -338,10 +355,7 @@ def main():
       run_case(f"b_olmoe_{label}", x, w, gs, dy, dense=label == "balanced", sweep_tilings=sweep)
       if args.sweep and label == "balanced":
         bwd_parts(f"b_olmoe_{label}", x, w, gs, dy,
-                  [default_tiling(m, n, k, e), tiling(128, 64, 256, num_warps=8, num_stages=3)],
-                  [default_tiling(m, k, n, e, op="tgmm"),
-                   tiling(64, 128, 256, num_warps=8, num_stages=3),
-                   tiling(32, 128, 128, num_warps=4, num_stages=4)])
+                  dlhs_sweep(m, n, k, e), tgmm_sweep(m, k, n, e))
       del x, w, dy
   if "c" in cases:
     _, k, n, e = sz["c"]
