@@ -341,8 +341,22 @@ def guarded(command: str, fn, *args) -> int:
     return 1
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+  """The command line; `key=value` overrides may also come after the options (argparse
+  alone takes positionals only before them once the first ones are consumed)."""
+  parser = build_parser()
+  args, rest = parser.parse_known_args(argv)
+  late = [a for a in rest if "=" in a and not a.startswith("-")]
+  if late and isinstance(getattr(args, "overrides", None), list):
+    args.overrides += late
+    rest = [a for a in rest if a not in late]
+  if rest:
+    parser.error(f"unrecognized arguments: {' '.join(rest)}")
+  return args
+
+
 def main(argv: list[str] | None = None) -> int:
-  args = build_parser().parse_args(argv)
+  args = parse(argv)
   return guarded(f"moejax {args.command}", args.fn, args)
 
 
