@@ -47,7 +47,9 @@ def dlhs_sweep(m, i, o, e):
           tiling(128, 128, 128, num_warps=8, num_stages=3),
           tiling(128, 64, 256, num_warps=8, num_stages=4),
           tiling(128, 64, 256, num_warps=8, num_stages=3, group_m=16),
-          tiling(256, 64, 128, num_warps=8, num_stages=3)]
+          tiling(256, 64, 128, num_warps=8, num_stages=3),
+          tiling(128, 128, 256, num_warps=8, num_stages=2),
+          tiling(128, 64, 256, num_warps=8, num_stages=3, group_m=4)]
 
 
 def tgmm_sweep(m, i, o, e):
@@ -56,7 +58,9 @@ def tgmm_sweep(m, i, o, e):
           tiling(128, 128, 128, num_warps=8, num_stages=3),
           tiling(64, 256, 128, num_warps=8, num_stages=3),
           tiling(32, 128, 128, num_warps=4, num_stages=4),
-          tiling(64, 128, 256, num_warps=8, num_stages=3, group_m=16)]
+          tiling(64, 128, 256, num_warps=8, num_stages=3, group_m=16),
+          tiling(128, 256, 128, num_warps=8, num_stages=2),
+          tiling(128, 128, 256, num_warps=8, num_stages=2)]
 
 
 def import_tokamax():

@@ -6,7 +6,10 @@ on the routing of a trained run's own sampled continuation (CPU or GPU; no timin
   within-token oracle      predictive told each token's true experts for its remaining layers
                            (a perfect lookahead predictor at d = all) as its wish list;
   Belady                   the offline optimum: evict what is next needed furthest ahead,
-                           knowing the routing of every later token.
+                           knowing the routing of every later token;
+  Belady h=N               the same knowing only the rest of the token and the next N
+                           tokens (experts not needed within them go first, least recently
+                           used first): what N tokens of perfect foresight are worth.
 The oracle's gap to Belady is what no lookahead predictor inside a token can recover: the
 experts of the next tokens.
 
@@ -62,18 +65,28 @@ def replay(seq, slots, policy, layers, prior, wish_layers=0) -> int:
   return cache.stats.misses + cache.stats.prefetches
 
 
-def belady(seq, slots) -> int:
+def belady(seq, slots, horizon=None, layers_per_token=1) -> int:
+  """Fetches of the offline optimum; horizon=N: knowing only the rest of the current token
+  and the next N tokens (seq holds layers_per_token entries per token)."""
   flat = [(l, e) for l, es in seq for e in es]
+  token = [i // layers_per_token for i, (_, es) in enumerate(seq) for _ in es]
   next_at, nxt = [0] * len(flat), {}
   for i in range(len(flat) - 1, -1, -1):
     next_at[i], nxt[flat[i]] = nxt.get(flat[i], float("inf")), i
-  cache, fetches = {}, 0
+  seen_end = {}  # token t -> first flat index past token t + horizon
+  if horizon is not None:
+    for i, t in enumerate(token):
+      seen_end[t - horizon] = i + 1
+  cache, fetches = {}, 0  # key -> (next use, last use)
   for i, key in enumerate(flat):
     if key not in cache:
       fetches += 1
       if len(cache) >= slots:
-        del cache[max(cache, key=cache.get)]
-    cache[key] = next_at[i]
+        limit = seen_end.get(token[i], len(flat)) if horizon is not None else len(flat) + 1
+        # Within sight: evict the furthest next use; out of sight first, least recent first.
+        rank = lambda k: (1, -cache[k][1]) if cache[k][0] >= limit else (0, cache[k][0])
+        del cache[max(cache, key=rank)]
+    cache[key] = (next_at[i], i)
   return fetches
 
 
@@ -83,6 +96,8 @@ def main(argv=None) -> dict:
   p.add_argument("--tokens", type=int, default=200, help="decode steps replayed")
   p.add_argument("--prompt", type=int, default=16)
   p.add_argument("--budgets", type=int, nargs="+", default=[25, 50, 75])
+  p.add_argument("--horizons", type=int, nargs="*", default=[1, 2, 4, 8],
+                 help="Belady with N tokens of foresight, for each N")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
@@ -90,7 +105,8 @@ def main(argv=None) -> dict:
   layers, total = om.moe_layers, len(om.moe_layers) * om.num_experts
   prior = routing.slots_per_token(om.cfg.moe) / om.num_experts
   steps = len(seq) // len(layers)
-  cols = ["lru", "lfu", "predictive", "within-token oracle", "Belady"]
+  cols = (["lru", "lfu", "predictive", "within-token oracle"]
+          + [f"Belady h={h}" for h in a.horizons] + ["Belady"])
   result = dict(run=a.run_dir, steps=steps, moe_layers=len(layers), experts=om.num_experts,
                 rows=[])
   print(f"{a.run_dir}: {steps} decode steps, {len(layers)} MoE layers x {om.num_experts} "
@@ -99,8 +115,8 @@ def main(argv=None) -> dict:
   for pct in a.budgets:
     slots = max(1, round(pct / 100 * total))
     f = [replay(seq, slots, pol, layers, prior) for pol in ("lru", "lfu", "predictive")]
-    f += [replay(seq, slots, "predictive", layers, prior, wish_layers=len(layers)),
-          belady(seq, slots)]
+    f += [replay(seq, slots, "predictive", layers, prior, wish_layers=len(layers))]
+    f += [belady(seq, slots, h, len(layers)) for h in a.horizons] + [belady(seq, slots)]
     row = dict(budget_pct=pct, slots=slots, **{c: v / steps for c, v in zip(cols, f)})
     result["rows"].append(row)
     print(f"{pct:5d}% {slots:5d} " + " ".join(f"{row[c]:19.2f}" for c in cols))

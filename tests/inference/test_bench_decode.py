@@ -68,6 +68,7 @@ def test_bad_arguments_are_refused(tmp_path, capsys, argv, match):
   assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.slow  # ~15 s; test_smoke_run_writes_the_table_and_json covers the same path
 def test_smoke_runs_on_the_mixtral_config(tmp_path):
   """--smoke shrinks every size a full-size config sets (its BPE vocabulary included)."""
   out = tmp_path / "bench.json"

@@ -1,6 +1,7 @@
 """The LM head's custom backward: the float32 logits' cotangent is cast to the compute dtype,
 so the head's two backward GEMMs take 16-bit operands (not tf32 on a float32 one)."""
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -23,9 +24,20 @@ def _dot_operand_dtypes(jaxpr):
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general":
       out.append(tuple((v.aval.shape, v.aval.dtype) for v in eqn.invars))
-    for sub in jax.core.jaxprs_in_params(eqn.params):
+    for sub in _sub_jaxprs(eqn.params.values()):
       out += _dot_operand_dtypes(sub)
   return out
+
+
+def _sub_jaxprs(values):
+  """The jaxprs nested in an equation's params (pjit, custom_vjp, scan, ... bodies)."""
+  for v in values:
+    if isinstance(v, jax.extend.core.ClosedJaxpr):
+      yield v.jaxpr
+    elif isinstance(v, jax.extend.core.Jaxpr):
+      yield v
+    elif isinstance(v, (tuple, list)):
+      yield from _sub_jaxprs(v)
 
 
 def _inputs(dtype):
