@@ -73,16 +73,15 @@ def belady(seq, slots, horizon=None, layers_per_token=1) -> int:
   next_at, nxt = [0] * len(flat), {}
   for i in range(len(flat) - 1, -1, -1):
     next_at[i], nxt[flat[i]] = nxt.get(flat[i], float("inf")), i
-  seen_end = {}  # token t -> first flat index past token t + horizon
-  if horizon is not None:
-    for i, t in enumerate(token):
-      seen_end[t - horizon] = i + 1
+  seen_end = {}  # token t -> first flat index past token t + horizon (none: all in sight)
+  for i, t in enumerate(token if horizon is not None else ()):
+    seen_end[t - horizon] = i + 1
   cache, fetches = {}, 0  # key -> (next use, last use)
   for i, key in enumerate(flat):
     if key not in cache:
       fetches += 1
       if len(cache) >= slots:
-        limit = seen_end.get(token[i], len(flat)) if horizon is not None else len(flat) + 1
+        limit = seen_end.get(token[i], len(flat))
         # Within sight: evict the furthest next use; out of sight first, least recent first.
         rank = lambda k: (1, -cache[k][1]) if cache[k][0] >= limit else (0, cache[k][0])
         del cache[max(cache, key=rank)]
