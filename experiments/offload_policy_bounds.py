@@ -100,6 +100,8 @@ def main(argv=None) -> dict:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
+  if any(h < 0 for h in a.horizons):
+    p.error(f"--horizons: token counts must be >= 0, got {a.horizons}")
   seq, om = decode_routing(a.run_dir, a.tokens, a.prompt, a.seed)
   layers, total = om.moe_layers, len(om.moe_layers) * om.num_experts
   prior = routing.slots_per_token(om.cfg.moe) / om.num_experts
