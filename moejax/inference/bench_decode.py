@@ -33,7 +33,7 @@ from moejax.config import Config, is_moe_layer, load_config, with_overrides
 from moejax.model.moe import FLOAT_EXPERT_NAMES, QUANTIZED_EXPERT_NAMES
 from moejax.model.kv_cache import DenseKVCache, QuantizedKVCache, kv_quant_config
 from moejax.inference.load import decode_layout
-from moejax.inference.timing import copy_bandwidth, median_seconds
+from moejax.inference.timing import copy_bandwidth, median_seconds, step_seconds
 from moejax.state import build_model, split_model
 from pallas_kernels.kv import quant as kvq
 
@@ -177,7 +177,7 @@ def bench_case(base: Config, case: Case, *, steps: tuple[int, int], prompt: int,
                          reps=reps)
   t_many = median_seconds(compiled, (params, buffers, caches, feed_B, pos, jnp.int32(many)),
                           reps=reps)
-  step_s = (t_many - t_few) / (many - few)
+  step_s, slope_resolved = step_seconds(t_few, t_many, few, many)
   _, touched_L = compiled(params, buffers, caches, feed_B, pos, jnp.int32(many))
   experts_touched = float(np.asarray(touched_L).sum()) / many   # per step, all MoE layers
   del caches
@@ -196,6 +196,7 @@ def bench_case(base: Config, case: Case, *, steps: tuple[int, int], prompt: int,
   return dict(label=case.label, expert_bits=case.expert_bits, kv_bits=case.kv_bits,
               batch=case.batch, context=case.context, layers=case.layers,
               expert_impl=case.expert_impl, ms_per_token=step_s * 1e3,
+              ms_per_token_is_upper_bound=not slope_resolved,
               tokens_per_s=case.batch / step_s, ttft_ms=ttft_s * 1e3, prompt=prompt,
               compile_s=compile_s, experts_touched_per_layer=experts_touched / max(moe_layers, 1),
               expert_MB=expert_bytes / 1e6, other_weights_MB=(other + embed_rows) / 1e6,
@@ -258,9 +259,12 @@ def format_row(r: dict) -> str:
   if "error" in r:
     return head + "ERROR " + r["error"]
   mb = r["expert_MB"] + r["other_weights_MB"] + r["kv_MB"]
-  return head + (f"{r['ms_per_token']:8.3f} {r['tokens_per_s']:8.0f} {r['ttft_ms']:8.1f} "
+  line = head + (f"{r['ms_per_token']:8.3f} {r['tokens_per_s']:8.0f} {r['ttft_ms']:8.1f} "
                  f"{r['compile_s']:9.1f} {r['experts_touched_per_layer']:5.2f} {mb:8.0f} "
                  f"{r['TBps']:5.2f} {100 * r['frac_of_copy']:5.0f}")
+  if r.get("ms_per_token_is_upper_bound"):
+    line += "  (ms/tok: upper bound, noise hid the slope; raise --steps)"
+  return line
 
 
 SMOKE_OVERRIDES = ("data.bpe_vocab_size=256", "model.d_model=64", "model.num_heads=2", "model.num_kv_heads=1",
@@ -285,7 +289,7 @@ def run_cli(config_or_run: str, overrides, *, batches, contexts, expert_bits, kv
     cfg = with_overrides(cfg, list(SMOKE_OVERRIDES))
     batches, contexts = batches[:2], [min(c, 96) for c in contexts[:1]]
     layers = min(layers or 2, 3)
-    steps, prompt = (2, 4), min(prompt, 8)
+    steps, prompt = (2, 8), min(prompt, 8)
   cfg = with_overrides(cfg, list(overrides))
   bits = expert_bits or [cfg.inference.expert_bits]
   for b in bits:

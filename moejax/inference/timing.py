@@ -39,3 +39,14 @@ def copy_bandwidth(nbytes: int, *, reps: int = 10) -> float:
     return jax.lax.fori_loop(0, loops, lambda i, y: jax.lax.optimization_barrier(y + 1), x)
 
   return 2 * x.nbytes / (median_seconds(looped, (x,), reps=reps) / loops)
+
+
+def step_seconds(t_few: float, t_many: float, few: int, many: int) -> tuple[float, bool]:
+  """Seconds per decode step from the loop timed at two step counts, and whether the slope
+  was resolved. Where timing noise exceeds the (many - few) steps' cost, the slope comes out
+  <= 0; the whole call per step, t_many / many, is then reported instead: an upper bound, as
+  it still holds the loop's fixed costs."""
+  slope = (t_many - t_few) / (many - few)
+  if slope > 0:
+    return slope, True
+  return t_many / many, False

@@ -57,6 +57,19 @@ def test_smoke_run_writes_the_table_and_json(tmp_path, capsys):
   assert "ms/tok" in capsys.readouterr().out
 
 
+def test_a_slope_hidden_by_noise_falls_back_to_the_whole_call_and_says_so():
+  from moejax.inference.timing import step_seconds
+  assert step_seconds(1.0, 3.0, 8, 40) == (2.0 / 32, True)
+  # noise made the longer loop read faster: never a negative or zero time per step
+  assert step_seconds(1.0, 0.9, 2, 4) == (0.9 / 4, False)
+  row = dict(label="x", expert_bits=4, kv_bits=16, batch=1, context=8, layers=1,
+             ms_per_token=1.0, tokens_per_s=1e3, ttft_ms=1.0, compile_s=1.0,
+             experts_touched_per_layer=2.0, expert_MB=1.0, other_weights_MB=1.0, kv_MB=1.0,
+             TBps=0.1, frac_of_copy=0.1)
+  assert "upper bound" not in bd.format_row(row)
+  assert "upper bound" in bd.format_row({**row, "ms_per_token_is_upper_bound": True})
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--expert-bits", "5"], "--expert-bits 5"),
     (["--kv-bits", "7"], "--kv-bits 7"),
