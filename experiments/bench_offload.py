@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from moejax.atomic import write_atomic  # noqa: E402
 from moejax.config import load_config, with_overrides  # noqa: E402
 from moejax.inference.offload import OffloadModel, host_placement  # noqa: E402
 from moejax.inference.offload_engine import OffloadEngine  # noqa: E402
@@ -337,6 +338,8 @@ def main(argv=None) -> dict:
   result.update(in_hbm_ms=1e3 * t_hbm, in_hbm_depths=depths, in_hbm_misses=hbm_misses)
   print(f"in-HBM decode step: {1e3 * t_hbm:.2f} ms (all experts resident; measured at "
         f"{depths} layers; {hbm_misses} misses in the timed steps)")
+  out = a.out or os.path.join(os.environ.get("OUT", "."), "bench_offload.json")
+  save = lambda result: write_atomic(Path(out), json.dumps(result, indent=1, default=str))
   print(HEADER)
   for budget in a.budgets:
     for policy in a.policies:
@@ -350,10 +353,9 @@ def main(argv=None) -> dict:
         r = dict(budget_pct=budget, policy=policy, error=f"{type(err).__name__}: {err}"[:300])
         print(f"{budget:5d}% {policy:>10s} ERROR {r['error']}")
       result["rows"].append(r)
+      save(result)   # a run cut short keeps the rows it timed
   result["total_s"] = time.perf_counter() - t0
-  out = a.out or os.path.join(os.environ.get("OUT", "."), "bench_offload.json")
-  with open(out, "w") as f:
-    json.dump(result, f, indent=1, default=str)
+  save(result)
   print(f"\n{out} ({result['total_s']:.0f} s)")
   return result
 
