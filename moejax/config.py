@@ -123,7 +123,8 @@ class TrainConfig:
   checkpoint_every: int = 200
   keep_checkpoints: int = 3
   out_dir: str = "runs/tiny"
-  tensorboard: bool = True
+  tensorboard: bool = False      # also TensorBoard event files in out_dir/tb (tensorboardX:
+                                 # the `tensorboard` extra)
   remat: str = "none"            # none | experts (recompute the routed experts' FFN in the
                                  # backward) | full (recompute each block)
 

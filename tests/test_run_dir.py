@@ -151,9 +151,16 @@ def test_nan_before_any_checkpoint_says_so(corpus, tmp_path, monkeypatch):
     train_mod.train(cfg_for(corpus, tmp_path / "nan", "train.steps=4"), quiet=True)
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("tensorboardX") is not None,
-                    reason="tensorboardX is installed")
-def test_tensorboard_without_tensorboardx_says_why(corpus, tmp_path, capsys):
+def test_tensorboard_writes_event_files(corpus, tmp_path):
+  pytest.importorskip("tensorboardX")   # the `test` extra installs it
+  train_mod.train(cfg_for(corpus, tmp_path / "tb", "train.steps=2", "train.log_every=1",
+                          "train.tensorboard=true"), quiet=True)
+  events = list((tmp_path / "tb" / "tb").glob("events.out.tfevents.*"))
+  assert len(events) == 1 and events[0].stat().st_size > 0
+
+
+def test_tensorboard_without_tensorboardx_says_why(corpus, tmp_path, capsys, monkeypatch):
+  monkeypatch.setitem(sys.modules, "tensorboardX", None)   # import raises ImportError
   train_mod.train(cfg_for(corpus, tmp_path / "tb", "train.steps=1", "train.tensorboard=true"),
                   quiet=True)
   assert "tensorboardX is not installed" in capsys.readouterr().err
