@@ -177,6 +177,21 @@ class OffloadCache:
       loads.append((key, slot))
     return loads
 
+  def fill(self, keys: Iterable[Key]) -> list[tuple[Key, int]]:
+    """A warm start: keys not resident go into empty slots, in order, while one is left ->
+    the loads. Counts no use, hit or miss, and evicts nothing."""
+    loads = []
+    for key in keys:
+      if key in self.slot_of:
+        continue
+      if None not in self.key_of:
+        break
+      self._see(key[0])
+      self.clock += 1
+      self.last_use[key] = self.clock
+      loads.append((key, self._place(key, self.key_of.index(None))))
+    return loads
+
   def expect(self, estimates: dict[Key, float]) -> None:
     """Estimated chances that keys are used at their layers' next visits (replacing earlier
     estimates of the same keys; each is dropped when its layer is visited)."""

@@ -23,6 +23,7 @@ def test_smoke_rows_reach_the_json(tmp_path):
   assert 0 <= lru["hit_rate"] < 1 and lru["MB_h2d_per_token"] > 0
   assert lru["prefetches_per_step"] == 0 < predictive["prefetches_per_step"]
   assert result["h2d_GBps"] > 0 and result["in_hbm_ms"] > 0
+  assert result["in_hbm_misses"] == 0          # the all-resident baseline is preloaded
 
 
 def test_each_row_is_saved_as_it_is_timed(tmp_path, monkeypatch):

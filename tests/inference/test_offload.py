@@ -215,6 +215,29 @@ def test_one_slot_runs_a_pass_per_expert(small):
     assert s.hits == 0 and s.passes == s.uses == s.misses   # every expert evicts the last
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_preload_makes_every_step_a_hit_and_keeps_decode_exact(small, policy):
+  prompts, total = _prompts(), _total(small)
+  eng = _offload(small, total, policy)
+  assert eng.preload() == total and eng.preload() == 0            # the second finds all there
+  assert eng.transferred_bytes == total * small["om"].expert_bytes
+  new, _ = eng.generate(prompts, NEW)
+  assert new == _engine_tokens(small, prompts)
+  for s in eng.stats.values():
+    assert s.misses == s.prefetches == 0 and s.hits == s.uses > 0
+  part = _offload(small, 3, policy)                               # fewer slots: the first 3
+  layer = small["om"].moe_layers[0]
+  assert part.preload([(layer, 2), (layer, 0), (layer, 1), (layer, 3)]) == 3
+  assert set(part.cache.slot_of) == {(layer, 2), (layer, 0), (layer, 1)}
+  assert part.generate(prompts, NEW)[0] == new
+
+
+def test_preload_refuses_keys_outside_the_model(small):
+  eng = _offload(small, 2)
+  with pytest.raises(ValueError, match=r"preload key \(0, 9\)"):
+    eng.preload([(small["om"].moe_layers[0], 0), (0, 9)])
+
+
 # --------------------------------------------------------------- policies ---
 
 def _misses(policy, sequence, slots=2):
@@ -223,6 +246,16 @@ def _misses(policy, sequence, slots=2):
     cache.acquire([key])
     cache.release()
   return cache.stats.misses, set(cache.slot_of)
+
+
+def test_fill_counts_no_use_and_evicts_nothing():
+  cache = OffloadCache(2, "lru")
+  assert cache.fill([(0, 0), (0, 1), (0, 2)]) == [((0, 0), 0), ((0, 1), 1)]
+  assert cache.stats.uses == cache.stats.misses == cache.stats.evictions == 0
+  assert cache.acquire([(0, 1)])[1] == [] and cache.stats.hits == 1   # a filled key hits
+  cache.release()
+  cache.acquire([(0, 2)])          # a miss evicts the least recent: the filled, unused (0, 0)
+  assert set(cache.slot_of) == {(0, 1), (0, 2)}
 
 
 def test_lru_and_lfu_evict_differently():
