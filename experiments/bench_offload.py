@@ -6,7 +6,9 @@ One run, one process:
              pinned host memory returns before its copy ends; a jitted read of a host-memory
              array at a traced expert index (does it compile, how long it takes against a copy
              of one expert, i.e. does XLA move one expert or all E); the in-jit slot write;
-             whether a copy overlaps a computation dispatched after it.
+             host-to-device rate by transfer granularity (one array, an expert's arrays, k
+             experts in one call or k calls); whether a copy overlaps a computation
+             dispatched after it.
   H2D        bandwidth of a pinned-host -> device copy of one expert (all its weights).
   in-HBM     ms per decode step with every expert resident (the same engine, all slots,
              preloaded), on as many layers as fit (--hbm-layers), extended to the full
@@ -173,7 +175,23 @@ def probe(om: OffloadModel, reps: int) -> dict:
     out["in_jit_write_ms"] = 1e3 * _median_s(in_jit, reps)
     out["device_put_then_write_ms"] = 1e3 * _median_s(staged, reps)
     del holder, pool
-  # 4. overlap: a copy issued, then a computation dispatched; both waited for together.
+  # 4. transfer granularity: one expert's bytes as one array and as its weight arrays; k
+  # experts in one device_put call and in k calls (per-call vs per-array vs per-byte cost).
+  if om.placement is not None:
+    experts = [list(om.host[layer][e]) for e in range(min(4, om.num_experts))]
+    k, eb = len(experts), om.expert_bytes
+    flat = jax.device_put(jnp.concatenate([jax.device_put(x, dev).ravel() for x in experts[0]]),
+                          om.placement)
+    ways = {"one_array": (lambda: _ready(jax.device_put(flat, dev)), eb),
+            "expert_arrays": (lambda: _ready(jax.device_put(experts[0], dev)), eb),
+            f"{k}_experts_one_call": (lambda: _ready(jax.device_put(sum(experts, []), dev)),
+                                      k * eb),
+            f"{k}_experts_{k}_calls": (lambda: _ready([jax.device_put(x, dev) for x in experts]),
+                                       k * eb)}
+    out["h2d_GBps_by_granularity"] = {name: nb / _median_s(fn, reps) / 1e9
+                                      for name, (fn, nb) in ways.items()}
+    del flat
+  # 5. overlap: a copy issued, then a computation dispatched; both waited for together.
   n = 256 if dev0.platform == "cpu" else 4096
   a = jnp.full((n, n), 1 / n, jnp.bfloat16)
 
