@@ -228,10 +228,10 @@ class OffloadEngine:
         raise ValueError(f"preload key ({l}, {e}): layer must be an MoE layer {moe} and "
                          f"expert in [0, {E})")
     loads = self.cache.fill(keys)
-    for k, s in loads:
+    for i, (k, s) in enumerate(loads):
       self._load(k, s)
-    for layer in sorted({k[0] for k, _ in loads}):
-      self._flush(layer)
+      if i + 1 == len(loads) or loads[i + 1][0][0] != k[0]:
+        self._flush(k[0])   # staged copies beyond the slots: at most one layer's at a time
     return len(loads)
 
   def _gates(self, dsts) -> tuple:

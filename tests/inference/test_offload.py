@@ -232,6 +232,21 @@ def test_preload_makes_every_step_a_hit_and_keeps_decode_exact(small, policy):
   assert part.generate(prompts, NEW)[0] == new
 
 
+def test_preload_stages_one_layer_at_a_time(small, monkeypatch):
+  """Staged copies are device memory beyond the pool: preloading every expert must not hold
+  them all at once (that ran a 48 GB preload out of HBM)."""
+  eng, staged = _offload(small, _total(small)), []
+  real_load = eng._load
+
+  def load(key, slot):
+    real_load(key, slot)
+    staged.append(sum(len(v) for v in eng.pending.values()))
+
+  monkeypatch.setattr(eng, "_load", load)
+  eng.preload()
+  assert max(staged) == small["om"].num_experts and not eng.pending
+
+
 def test_preload_refuses_keys_outside_the_model(small):
   eng = _offload(small, 2)
   with pytest.raises(ValueError, match=r"preload key \(0, 9\)"):
