@@ -180,16 +180,17 @@ class OffloadCache:
   def fill(self, keys: Iterable[Key]) -> list[tuple[Key, int]]:
     """A warm start: keys not resident go into empty slots, in order, while one is left ->
     the loads. Counts no use, hit or miss, and evicts nothing."""
-    loads = []
+    loads, free = [], iter([s for s, k in enumerate(self.key_of) if k is None])
     for key in keys:
       if key in self.slot_of:
         continue
-      if None not in self.key_of:
+      slot = next(free, None)
+      if slot is None:
         break
       self._see(key[0])
       self.clock += 1
       self.last_use[key] = self.clock
-      loads.append((key, self._place(key, self.key_of.index(None))))
+      loads.append((key, self._place(key, slot)))
     return loads
 
   def expect(self, estimates: dict[Key, float]) -> None:

@@ -27,6 +27,7 @@ Staged experts are device memory beyond the slots: at most the prefetches in fli
 """
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -228,10 +229,10 @@ class OffloadEngine:
         raise ValueError(f"preload key ({l}, {e}): layer must be an MoE layer {moe} and "
                          f"expert in [0, {E})")
     loads = self.cache.fill(keys)
-    for i, (k, s) in enumerate(loads):
-      self._load(k, s)
-      if i + 1 == len(loads) or loads[i + 1][0][0] != k[0]:
-        self._flush(k[0])   # staged copies beyond the slots: at most one layer's at a time
+    for layer, run in itertools.groupby(loads, key=lambda load: load[0][0]):
+      for k, s in run:
+        self._load(k, s)
+      self._flush(layer)   # staged copies beyond the slots: at most one layer's at a time
     return len(loads)
 
   def _gates(self, dsts) -> tuple:
